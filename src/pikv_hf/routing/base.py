@@ -1,0 +1,135 @@
+"""The router interface shared by every PiKV router.
+
+A router has up to two jobs:
+
+* **placement** (``Placement.place``): which shard each new token's KV goes to, called by a cache layer on every
+  ``update``. One instance serves one layer, so per-layer state (e.g. online centroids) lives in the instance.
+* **selection** (``Selector.select``): which ``k`` shards a decode-time query attends to, from a ``ShardSummary``
+  of the layer's shards. Selection is per batch row and per KV head.
+
+Shapes use ``B`` batch, ``H`` KV heads, ``q`` new tokens, ``S`` shards, ``D`` key head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PlacementContext:
+    """What a placement router may read about the tokens being stored.
+
+    Attributes
+    ----------
+    layer_idx : int
+        Index of the decoder layer whose cache is being updated.
+    keys : torch.Tensor
+        ``[B, H, q, D]`` post-RoPE keys of the new tokens.
+    token_index : torch.Tensor
+        ``[q]`` int64 ordinal of each new token in the layer's sequence (tokens seen before it, pads included).
+    page_size : int
+        Tokens per page of the store.
+    num_shards : int
+        Number of shards ``S``; every returned id must lie in ``[0, S)``.
+    """
+
+    layer_idx: int
+    keys: torch.Tensor
+    token_index: torch.Tensor
+    page_size: int
+    num_shards: int
+
+
+class Placement:
+    """Base class of placement routers (one instance per cache layer)."""
+
+    name: str = ""
+
+    def __init__(self, num_shards: int) -> None:
+        if int(num_shards) < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        self.num_shards = int(num_shards)
+
+    def place(self, ctx: PlacementContext) -> torch.Tensor:
+        """Return ``[B, H, q]`` int64 shard ids in ``[0, S)`` for the new tokens."""
+        raise NotImplementedError
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        """Keep/reorder per-batch-row state along ``index`` (beam search, batch selection). Stateless: no-op."""
+
+    def reset(self) -> None:
+        """Forget all per-sequence state (the cache was cleared)."""
+
+
+@dataclass
+class ShardSummary:
+    """What a selector may read about one layer's shards, per batch row and KV head.
+
+    Attributes
+    ----------
+    centroids : torch.Tensor
+        ``[B, H, S, D]`` float32 mean key of the valid tokens of each shard (zeros for an empty shard).
+    counts : torch.Tensor
+        ``[B, H, S]`` int64 valid tokens per shard.
+    key_min, key_max : torch.Tensor
+        ``[B, H, S, D]`` float32 element-wise min / max of the shard's keys (Quest-style bounds; +inf / -inf when
+        empty).
+    resident : torch.Tensor
+        ``[B, H, S]`` bool, False for a shard whose pages are not on the attention device (offloaded).
+    misses : torch.Tensor
+        ``[B, H, S]`` int64 misses counted by the cache: a selected shard that was not resident, or whose pages
+        had been evicted.
+    """
+
+    centroids: torch.Tensor
+    counts: torch.Tensor
+    key_min: torch.Tensor
+    key_max: torch.Tensor
+    resident: torch.Tensor
+    misses: torch.Tensor
+
+    @property
+    def num_shards(self) -> int:
+        return self.counts.shape[-1]
+
+
+class Selector:
+    """Base class of selection routers.
+
+    ``select(query, summary, k)`` receives ``query`` of shape ``[B, H, G, D]`` (the ``G = q * (H_q / H)`` query
+    rows that share each KV head, post-RoPE, already scaled or not: selectors must be scale-invariant) and returns
+    ``[B, H, k]`` int64 ids of ``k`` distinct shards. Empty shards (count 0) are chosen only when fewer than ``k``
+    shards hold tokens.
+    """
+
+    name: str = ""
+
+    def select(self, query: torch.Tensor, summary: ShardSummary, k: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, query: torch.Tensor, summary: ShardSummary, selected: torch.Tensor, reward: torch.Tensor) -> None:
+        """Learn from ``reward`` (``[B, H]`` in [0, 1]) for the ``selected`` shards. Stateless selectors: no-op."""
+
+    def reset(self) -> None:
+        """Forget running state (the cache was cleared). Stateless selectors: no-op."""
+
+
+def check_select_args(query: torch.Tensor, summary: ShardSummary, k: int) -> None:
+    """Validate selector inputs; raises ``ValueError`` naming the bad parameter."""
+    if query.dim() != 4:
+        raise ValueError(f"query must be [B, H, G, D], got shape {tuple(query.shape)}")
+    b, h, _, d = query.shape
+    if tuple(summary.centroids.shape[:2]) != (b, h) or summary.centroids.shape[-1] != d:
+        raise ValueError(f"summary.centroids must be [B={b}, H={h}, S, D={d}], got {tuple(summary.centroids.shape)}")
+    s = summary.num_shards
+    if tuple(summary.counts.shape) != (b, h, s) or summary.centroids.shape[2] != s:
+        raise ValueError(
+            f"summary.counts must be [B={b}, H={h}, S] matching centroids' S={summary.centroids.shape[2]}, "
+            f"got {tuple(summary.counts.shape)}"
+        )
+    if not 1 <= int(k) <= s:
+        raise ValueError(f"k (top_k_shards) must be in [1, {s}] (number of shards), got {k}")
+    if int(summary.counts.sum()) == 0:
+        raise ValueError("summary holds no tokens (select called before any token was stored in this layer)")

@@ -1,0 +1,23 @@
+"""Round-robin (hash) placement: consecutive pages of a sequence go to consecutive shards."""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.routing.base import Placement, PlacementContext
+
+
+class RoundRobinPlacement(Placement):
+    """Page-granular round robin, the PiKV paper's hash router.
+
+    Token ``t`` (its ordinal in the layer's sequence) goes to shard ``(t // P) % S``: every shard receives whole
+    pages in turn, so at most one page per sequence is partially filled and shards stay balanced to one page.
+    Carries no content signal; it is the baseline every content-aware router is measured against.
+    """
+
+    name = "round_robin"
+
+    def place(self, ctx: PlacementContext) -> torch.Tensor:
+        b, h, q, _ = ctx.keys.shape
+        shard = (ctx.token_index // ctx.page_size) % self.num_shards
+        return shard.to(device=ctx.keys.device, dtype=torch.int64).view(1, 1, q).expand(b, h, q)

@@ -1,0 +1,176 @@
+"""Query-to-shard scores shared by every selector.
+
+A selector ranks the ``S`` shards of one layer for each batch row and KV head from the layer's ``ShardSummary``.
+Everything here is vectorised over ``[B, H]`` and works on any device.
+
+Shapes use ``B`` batch, ``H`` KV heads, ``G`` query rows per KV head, ``S`` shards, ``D`` key head dim.
+
+* ``centroid_scores``: ``max_g q_g . c_s``, the query-to-mean-key score of the PiKV paper's expert routing.
+* ``bound_scores``: Quest's upper bound of ``q . k`` over a shard's keys from their element-wise min / max
+  (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024).
+* ``shard_log_probs``: the routing distribution ``log softmax(z)`` of the standardised scores ``z``. Both raw
+  scores scale linearly with a positive scale of the query, so standardising them over a row's non-empty shards
+  makes every selector scale-invariant, and penalties added to these log-probabilities are in units of one
+  standard deviation of the row's scores.
+* ``masked_topk``: ``k`` distinct ids per row, higher ``priority`` tier first (non-empty shards before empty
+  ones), then higher score, ties to the lower id.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pikv_hf.routing.base import ShardSummary
+
+SCORE_KINDS = ("centroid", "bound")
+
+
+def check_score_kind(kind: str) -> str:
+    """Return ``kind`` if it is one of ``SCORE_KINDS``; ``ValueError`` naming ``score`` otherwise."""
+    if kind not in SCORE_KINDS:
+        raise ValueError(f"score must be one of {', '.join(SCORE_KINDS)}; got {kind!r}")
+    return kind
+
+
+def check_weight(name: str, value: float) -> float:
+    """Return ``value`` as a float if it is finite and ``>= 0``; ``ValueError`` naming ``name`` otherwise."""
+    value = float(value)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return value
+
+
+def centroid_scores(query: torch.Tensor, summary: ShardSummary) -> torch.Tensor:
+    """Max over the query rows of the dot product with each shard's mean key.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[B, H, G, D]`` queries (any float dtype, any positive scale).
+    summary : ShardSummary
+        The layer's shard summary (``centroids`` ``[B, H, S, D]``, ``counts`` ``[B, H, S]``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, H, S]`` float32 ``max_g q_g . c_s``; ``-inf`` for an empty shard.
+    """
+    q = query.float()
+    scores = (q @ summary.centroids.float().transpose(-1, -2)).amax(dim=-2)
+    return scores.masked_fill(summary.counts == 0, float("-inf"))
+
+
+def bound_scores(query: torch.Tensor, summary: ShardSummary) -> torch.Tensor:
+    """Quest upper bound of ``q . k`` over each shard's keys, maxed over the query rows.
+
+    ``sum_d max(q_d * min_d, q_d * max_d) = q^+ . max + q^- . min`` with ``q^+ = max(q, 0)``,
+    ``q^- = min(q, 0)``; it is ``>=`` the dot product of ``q`` with every key of the shard.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[B, H, G, D]`` queries.
+    summary : ShardSummary
+        The layer's shard summary (``key_min`` / ``key_max`` ``[B, H, S, D]``, ``counts`` ``[B, H, S]``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, H, S]`` float32 bound; ``-inf`` for an empty shard.
+    """
+    q = query.float()
+    empty = summary.counts == 0
+    # Empty shards carry +-inf bounds: zero them so 0 * inf cannot turn the matmul into NaN.
+    key_max = summary.key_max.float().masked_fill(empty[..., None], 0.0)
+    key_min = summary.key_min.float().masked_fill(empty[..., None], 0.0)
+    bound = q.clamp(min=0) @ key_max.transpose(-1, -2) + q.clamp(max=0) @ key_min.transpose(-1, -2)
+    return bound.amax(dim=-2).masked_fill(empty, float("-inf"))
+
+
+def query_scores(query: torch.Tensor, summary: ShardSummary, kind: str) -> torch.Tensor:
+    """``[B, H, S]`` raw scores of kind ``"centroid"`` (``centroid_scores``) or ``"bound"`` (``bound_scores``)."""
+    if check_score_kind(kind) == "centroid":
+        return centroid_scores(query, summary)
+    return bound_scores(query, summary)
+
+
+def standardize(scores: torch.Tensor) -> torch.Tensor:
+    """Z-score each row over its finite entries; non-finite entries become ``-inf``.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[..., S]`` float scores, ``-inf`` for shards to ignore.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., S]`` ``(s - mean) / std`` over the row's finite entries (``std`` taken as 1 when it is 0, so a
+        row of equal scores gives zeros); invariant to a positive affine change of ``scores``.
+    """
+    finite = torch.isfinite(scores)
+    n = finite.sum(dim=-1, keepdim=True).clamp(min=1)
+    x = scores.masked_fill(~finite, 0.0)
+    mean = x.sum(dim=-1, keepdim=True) / n
+    dev = (x - mean).masked_fill(~finite, 0.0)
+    std = (dev.square().sum(dim=-1, keepdim=True) / n).sqrt()
+    z = dev / torch.where(std > 0, std, torch.ones_like(std))
+    return z.masked_fill(~finite, float("-inf"))
+
+
+def shard_log_probs(query: torch.Tensor, summary: ShardSummary, kind: str) -> torch.Tensor:
+    """Routing log-probabilities ``log softmax(standardize(query_scores))`` over the shards.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, H, S]`` float32; ``-inf`` for empty shards (``NaN`` for a row whose shards are all empty, which
+        ``masked_topk`` ranks last).
+    """
+    return torch.log_softmax(standardize(query_scores(query, summary, kind)), dim=-1)
+
+
+def log_occupancy(counts: torch.Tensor) -> torch.Tensor:
+    """``log(n_s / mean n)`` over each row's non-empty shards; ``0`` for empty shards.
+
+    Parameters
+    ----------
+    counts : torch.Tensor
+        ``[..., S]`` int64 tokens per shard.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., S]`` float32; positive for a shard fuller than the row's mean non-empty shard.
+    """
+    filled = counts > 0
+    n = counts.float()
+    mean = n.sum(dim=-1, keepdim=True) / filled.sum(dim=-1, keepdim=True).clamp(min=1)
+    return torch.where(filled, (n / mean.clamp(min=1e-30)).log(), torch.zeros_like(n))
+
+
+def masked_topk(scores: torch.Tensor, k: int, priority: torch.Tensor) -> torch.Tensor:
+    """The ``k`` best distinct ids per row: higher ``priority`` tier first, then higher score.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[..., S]`` float scores (``NaN`` ranks as ``-inf``).
+    k : int
+        Ids to return per row, ``1 <= k <= S``.
+    priority : torch.Tensor
+        Bool or integer tiers broadcastable to ``scores``; e.g. ``counts > 0`` so empty shards are chosen only
+        when fewer than ``k`` shards hold tokens.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., k]`` int64 ids, best first; ties go to the lower id (two stable sorts).
+    """
+    s = scores.float().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    order = torch.argsort(s, dim=-1, descending=True, stable=True)
+    tier = priority.to(torch.int64).expand_as(s).gather(-1, order)
+    order = order.gather(-1, torch.argsort(tier, dim=-1, descending=True, stable=True))
+    return order[..., : int(k)]

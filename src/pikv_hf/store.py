@@ -1,0 +1,239 @@
+"""Paged, expert-sharded KV storage for one decoder layer.
+
+Every ``(batch row, KV head)`` owns a run of fixed-size pages inside one slot array of capacity ``C = NP * P``
+(``NP`` pages of ``P`` tokens). Each page belongs to exactly one shard; a shard's tokens are appended to that
+shard's open page, and a new page is opened when it is full. Pages of different shards interleave in the slot
+array, so a shard is the set of pages whose ``page_shard`` equals its id.
+
+Every slot keeps its original sequence position (the layer's token ordinal, pads included, the frame in which
+causal masking happens), a valid bit (False for empty slots and padding) and three per-token statistics that
+schedulers use: accumulated attention mass, step of last access and hit count.
+
+Tensors (``B`` batch, ``H`` KV heads):
+
+============  ==================  ======================================
+name          shape               dtype
+============  ==================  ======================================
+keys          ``[B, H, C, Dk]``   model dtype
+values        ``[B, H, C, Dv]``   model dtype
+pos           ``[B, H, C]``       int32, sequence position
+valid         ``[B, H, C]``       bool
+attn_mass     ``[B, H, C]``       float32
+last_access   ``[B, H, C]``       int32
+hits          ``[B, H, C]``       int32
+page_shard    ``[B, H, NP]``      int64, shard of each page (-1 unused)
+n_pages       ``[B, H]``          int64, pages in use
+open_page     ``[B, H, S]``       int64, each shard's open page (-1 none)
+open_fill     ``[B, H, S]``       int64, tokens in that page
+============  ==================  ======================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SLOT_FIELDS = ("keys", "values", "pos", "valid", "attn_mass", "last_access", "hits")
+_BATCH_FIELDS = (*_SLOT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill")
+_STAT_FIELDS = ("attn_mass", "last_access", "hits")
+
+
+class PagedShardStore:
+    """Paged slot storage of one layer, grouped by shard. Allocation grows by whole pages with ~1.6% headroom."""
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        k_dim: int,
+        v_dim: int,
+        num_shards: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.page_size = int(page_size)
+        self.num_shards = int(num_shards)
+        self.k_dim, self.v_dim = int(k_dim), int(v_dim)
+        self.dtype, self.device = dtype, device
+        self._allocate(batch, heads, pages=0)
+
+    # ------------------------------------------------------------------ allocation
+    def _allocate(self, batch: int, heads: int, pages: int) -> None:
+        b, h, c, dev = batch, heads, pages * self.page_size, self.device
+        self.keys = torch.zeros(b, h, c, self.k_dim, dtype=self.dtype, device=dev)
+        self.values = torch.zeros(b, h, c, self.v_dim, dtype=self.dtype, device=dev)
+        self.pos = torch.zeros(b, h, c, dtype=torch.int32, device=dev)
+        self.valid = torch.zeros(b, h, c, dtype=torch.bool, device=dev)
+        self.attn_mass = torch.zeros(b, h, c, dtype=torch.float32, device=dev)
+        self.last_access = torch.zeros(b, h, c, dtype=torch.int32, device=dev)
+        self.hits = torch.zeros(b, h, c, dtype=torch.int32, device=dev)
+        self.page_shard = torch.full((b, h, pages), -1, dtype=torch.int64, device=dev)
+        self.n_pages = torch.zeros(b, h, dtype=torch.int64, device=dev)
+        self.open_page = torch.full((b, h, self.num_shards), -1, dtype=torch.int64, device=dev)
+        self.open_fill = torch.zeros(b, h, self.num_shards, dtype=torch.int64, device=dev)
+
+    @property
+    def batch(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.page_shard.shape[-1]
+
+    def _grow(self, pages: int) -> None:
+        """Grow every per-slot and per-page tensor to ``pages`` pages, keeping contents."""
+        extra_pages = pages - self.capacity_pages
+        extra_slots = extra_pages * self.page_size
+        for name in _SLOT_FIELDS:
+            t = getattr(self, name)
+            pad = t.new_zeros(*t.shape[:2], extra_slots, *t.shape[3:])
+            setattr(self, name, torch.cat([t, pad], dim=2))
+        self.page_shard = torch.cat(
+            [self.page_shard, self.page_shard.new_full((self.batch, self.heads, extra_pages), -1)], 2
+        )
+
+    # ------------------------------------------------------------------ writes
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        shard: torch.Tensor,
+        pos: torch.Tensor,
+        present: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Store new tokens in their shards' pages.
+
+        Parameters
+        ----------
+        keys, values : torch.Tensor
+            ``[B, H, q, Dk]`` and ``[B, H, q, Dv]``.
+        shard : torch.Tensor
+            ``[B, H, q]`` int64 shard ids in ``[0, S)``.
+        pos : torch.Tensor
+            ``[B, H, q]`` or ``[q]`` sequence positions of the new tokens.
+        present : torch.Tensor, optional
+            ``[B, H, q]`` bool; tokens with False take no slot (used by compaction). Default: all present.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[B, H, q]`` int64 slot index of every token (-1 where not present).
+        """
+        b, h, q = shard.shape
+        p, s = self.page_size, self.num_shards
+        onehot = torch.nn.functional.one_hot(shard, s)  # [B,H,q,S]
+        if present is not None:
+            onehot = onehot * present.unsqueeze(-1)
+        rank = (onehot.cumsum(2) - 1).gather(-1, shard.unsqueeze(-1)).squeeze(-1)  # rank among new tokens of shard
+        count = onehot.sum(2)  # [B,H,S]
+        base = torch.where(self.open_page >= 0, self.open_fill, p)  # fill of each shard's open page (P: none open)
+        n_new = (base + count - p).clamp(min=0).add(p - 1).div(p, rounding_mode="floor")  # new pages per shard
+        first_new = self.n_pages.unsqueeze(-1) + n_new.cumsum(-1) - n_new
+        t = base.gather(-1, shard) + rank  # offset of the token in its shard's stream, from the open page start
+        in_open = t < p
+        page = torch.where(in_open, self.open_page.gather(-1, shard), first_new.gather(-1, shard) + (t - p) // p)
+        slot = page * p + torch.where(in_open, t, (t - p) % p)
+
+        needed = int((self.n_pages + n_new.sum(-1)).max())
+        if needed > self.capacity_pages:
+            self._grow(needed + needed // 64)
+
+        self.open_page = torch.where(n_new > 0, first_new + n_new - 1, self.open_page)
+        self.open_fill = torch.where(n_new > 0, base + count - p * n_new, base + count)
+        self.n_pages = self.n_pages + n_new.sum(-1)
+
+        flat, sel = self._flat_index(slot, present)
+        self._write(self.keys, keys.to(self.dtype), flat, sel)
+        self._write(self.values, values.to(self.dtype), flat, sel)
+        self._write(self.pos, pos.to(torch.int32).expand(b, h, q), flat, sel)
+        self._write(self.valid, torch.ones(b, h, q, dtype=torch.bool, device=shard.device), flat, sel)
+        for name in _STAT_FIELDS:
+            dst = getattr(self, name)
+            self._write(dst, torch.zeros(b, h, q, dtype=dst.dtype, device=shard.device), flat, sel)
+        page_flat = (torch.arange(b * h, device=shard.device).view(b, h, 1) * self.capacity_pages + page).reshape(-1)
+        shard_flat = shard.reshape(-1)
+        if sel is not None:
+            page_flat, shard_flat = page_flat[sel], shard_flat[sel]
+        self.page_shard.view(-1).index_copy_(0, page_flat, shard_flat)
+        return slot if present is None else torch.where(present, slot, -1)
+
+    def _flat_index(self, slot: torch.Tensor, present: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flattened ``[B*H*C]`` index of each (present) token's slot, and the selection of present tokens."""
+        b, h, _ = slot.shape
+        flat = (torch.arange(b * h, device=slot.device).view(b, h, 1) * self.keys.shape[2] + slot).reshape(-1)
+        if present is None:
+            return flat, None
+        sel = present.reshape(-1).nonzero().squeeze(-1)
+        return flat[sel], sel
+
+    @staticmethod
+    def _write(dst: torch.Tensor, src: torch.Tensor, flat: torch.Tensor, sel: torch.Tensor | None) -> None:
+        """Copy per-token ``src`` (``[B, H, q, ...]``) into ``dst`` (``[B, H, C, ...]``) at ``flat`` slots."""
+        src = src.reshape(-1, *dst.shape[3:])
+        dst.view(-1, *dst.shape[3:]).index_copy_(0, flat, src if sel is None else src[sel])
+
+    def invalidate(self, slot: torch.Tensor, keep: torch.Tensor) -> None:
+        """Clear the valid bit of appended ``slot`` entries (``[B, H, q]``) where ``keep`` (``[B, q]``) is False."""
+        self.valid.scatter_(2, slot, self.valid.gather(2, slot) & keep.unsqueeze(1))
+
+    # ------------------------------------------------------------------ batch ops
+    def index_batch(self, index: torch.Tensor) -> None:
+        """Keep / reorder batch rows along ``index`` (int64 ``[B']``) in every per-row tensor."""
+        index = index.to(self.device)
+        for name in _BATCH_FIELDS:
+            setattr(self, name, getattr(self, name).index_select(0, index))
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Rebuild the store with only the slots where ``keep`` (``[B, H, C]`` bool) is True.
+
+        Kept tokens stay in their shard, in position order, with their statistics; pages are re-packed, so the
+        freed slots are really released.
+        """
+        keep = keep & self.valid
+        n_keep = keep.sum(-1)  # [B,H]
+        length = int(n_keep.max()) if n_keep.numel() else 0
+        big = torch.iinfo(torch.int32).max
+        order = torch.where(keep, self.pos, big).argsort(dim=-1, stable=True)[..., :length]  # [B,H,L]
+        present = keep.gather(2, order)
+        gathered = {
+            name: getattr(self, name).gather(
+                2,
+                order.view(*order.shape, *([1] * (getattr(self, name).dim() - 3))).expand(
+                    *order.shape, *getattr(self, name).shape[3:]
+                ),
+            )
+            for name in _SLOT_FIELDS
+        }
+        shard = self.page_shard.gather(2, order // self.page_size).clamp(min=0)
+        b, h = self.batch, self.heads
+        self._allocate(b, h, pages=0)
+        if length == 0:
+            return
+        slot = self.append(gathered["keys"], gathered["values"], shard, gathered["pos"], present)
+        flat, sel = self._flat_index(slot, present)
+        for name in _STAT_FIELDS:
+            self._write(getattr(self, name), gathered[name], flat, sel)
+
+    # ------------------------------------------------------------------ reads
+    def slot_shard(self) -> torch.Tensor:
+        """``[B, H, C]`` shard id of every slot (-1 for slots of unused pages)."""
+        return self.page_shard.repeat_interleave(self.page_size, dim=-1)
+
+    def tokens_per_shard(self) -> torch.Tensor:
+        """``[B, H, S]`` number of valid tokens held by each shard."""
+        shard = self.slot_shard().clamp(min=0)
+        out = torch.zeros(self.batch, self.heads, self.num_shards, dtype=torch.int64, device=self.device)
+        return out.scatter_add_(2, shard, self.valid.to(torch.int64))
+
+    def kv_nbytes(self) -> int:
+        """Bytes held by the key and value tensors."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def meta_nbytes(self) -> int:
+        """Bytes held by positions, valid bits, statistics and page tables."""
+        names = ("pos", "valid", *_STAT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill")
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)

@@ -1,0 +1,63 @@
+"""Shared helpers of the test-suite: reference runs with DynamicCache and comparisons."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from pikv_hf import PiKVCache
+from pikv_hf.tiny import TINY_ARCHS, tiny_model
+
+ROUTERS = ("round_robin", "expert", "key_cluster")
+ARCH_ROUTER_CASES = [(a, r) for a in TINY_ARCHS for r in ROUTERS if not (r == "expert" and a == "llama")]
+TOL = 1e-4
+
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+
+
+def model_pair(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(reference model on SDPA/eager, identical-weight model that PiKVCache switches to pikv), built once."""
+    for role in ("ref", "pikv"):
+        if (arch, role) not in _MODELS:
+            _MODELS[arch, role] = tiny_model(arch, seed=0)
+    return _MODELS[arch, "ref"], _MODELS[arch, "pikv"]
+
+
+def prompt(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (batch, length), generator=g)
+
+
+def generate(model, ids, cache, **kwargs):
+    kwargs.setdefault("max_new_tokens", 8)
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("min_new_tokens", kwargs["max_new_tokens"])  # no early EOS: rows keep equal lengths
+    return model.generate(
+        ids, past_key_values=cache, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs
+    )
+
+
+def max_logit_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def pikv(model, router: str = "round_robin", **kwargs) -> PiKVCache:
+    kwargs.setdefault("page_size", 8)
+    return PiKVCache(model, router=router, **kwargs)
+
+
+# one case per architecture for the generate scenarios: the model's own routing where it has one
+SCENARIO_CASES = [(a, "key_cluster" if a == "llama" else "expert") for a in TINY_ARCHS]
+
+
+__all__ = [
+    "ARCH_ROUTER_CASES",
+    "SCENARIO_CASES",
+    "DynamicCache",
+    "TOL",
+    "generate",
+    "max_logit_diff",
+    "model_pair",
+    "pikv",
+    "prompt",
+]

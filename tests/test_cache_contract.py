@@ -1,0 +1,131 @@
+"""The transformers Cache contract: lengths, mask sizes, batch operations, crop, eviction, bytes."""
+
+import pytest
+import torch
+from helpers import TOL, DynamicCache, model_pair, pikv, prompt
+
+from pikv_hf import PiKVCache
+
+
+def _prefilled(arch="mixtral", router="expert", batch=3, length=30):
+    ref, model = model_pair(arch)
+    ids = prompt(length, batch=batch)
+    ref_cache, cache = DynamicCache(), pikv(model, router)
+    with torch.no_grad():
+        ref(ids, past_key_values=ref_cache)
+        model(ids, past_key_values=cache)
+    return ref, model, ref_cache, cache
+
+
+def _step(ref, model, ref_cache, cache, tokens):
+    with torch.no_grad():
+        a = ref(tokens, past_key_values=ref_cache).logits
+        b = model(tokens, past_key_values=cache).logits
+    return (a - b).abs().max().item()
+
+
+def test_lengths_and_mask_sizes_match_dynamic_cache():
+    ref, model, ref_cache, cache = _prefilled()
+    cache_position = torch.arange(30, 32)
+    for layer_idx in range(len(cache.layers)):
+        assert cache.get_seq_length(layer_idx) == ref_cache.get_seq_length(layer_idx) == 30
+        assert cache.get_mask_sizes(cache_position, layer_idx) == ref_cache.get_mask_sizes(cache_position, layer_idx)
+    assert cache.is_compileable is False and cache.is_sliding == [False] * 3
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [
+        ("reorder_cache", torch.tensor([2, 0, 0])),
+        ("batch_select_indices", torch.tensor([2, 1])),
+        ("batch_repeat_interleave", 2),
+    ],
+)
+def test_batch_operations_act_like_dynamic_cache(operation):
+    name, arg = operation
+    ref, model, ref_cache, cache = _prefilled()
+    getattr(ref_cache, name)(arg)
+    getattr(cache, name)(arg)
+    batch = ref_cache.layers[0].keys.shape[0]
+    assert cache.layers[0].store.batch == batch
+    assert _step(ref, model, ref_cache, cache, prompt(3, batch=batch, seed=5)) < TOL
+
+
+@pytest.mark.parametrize("max_length", [20, -7])
+def test_crop_then_continue_matches_dynamic_cache(max_length):
+    ref, model, ref_cache, cache = _prefilled(router="key_cluster")
+    pages_before = cache.layers[0].store.capacity_pages
+    ref_cache.crop(max_length)
+    cache.crop(max_length)
+    assert cache.get_seq_length() == ref_cache.get_seq_length()
+    assert cache.layers[0].store.capacity_pages < pages_before  # cropped slots are released
+    assert _step(ref, model, ref_cache, cache, prompt(4, batch=3, seed=6)) < TOL
+
+
+def test_crop_after_eviction_raises_and_keeps_state():
+    _, _, _, cache = _prefilled()
+    layer = cache.layers[1]
+    layer.evict(layer.store.valid & (layer.store.pos != 3))
+    with pytest.raises(RuntimeError, match="crop\\(\\) is undefined after 1 tokens were evicted"):
+        cache.crop(10)
+    assert cache.get_seq_length() == 30
+
+
+def test_attention_after_ragged_eviction_equals_dense_attention_over_kept_tokens():
+    gen = torch.Generator().manual_seed(0)
+    _, model = model_pair("llama")
+    cache = PiKVCache(model.config, router="key_cluster", page_size=4)
+    layer = cache.layers[0]
+    b, h, t, d = 2, 2, 25, 16
+    keys, values = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
+    cache.update(keys, values, 0)
+    keep = torch.rand(b, h, t, generator=gen) < 0.5  # a different budget per (row, head)
+    keep[..., -1] = True
+    slot_keep = torch.zeros_like(layer.store.valid)
+    slot_keep[layer.store.valid] = keep.gather(2, layer.store.pos.long().clamp(max=t - 1))[layer.store.valid]
+    layer.evict(slot_keep)
+    new_k, new_v = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
+    view, _ = cache.update(new_k, new_v, 0)
+    query = torch.randn(b, 2 * h, 1, d, generator=gen)
+    out = view.layer.attend(query, d**-0.5, None, None, None)  # [B, 1, Hq, D]
+    for bi in range(b):
+        for hq in range(2 * h):
+            hi = hq // 2
+            k = torch.cat([keys[bi, hi][keep[bi, hi]], new_k[bi, hi]])
+            v = torch.cat([values[bi, hi][keep[bi, hi]], new_v[bi, hi]])
+            expected = ((query[bi, hq] @ k.T) * d**-0.5).softmax(-1) @ v
+            assert (out[bi, 0, hq] - expected[0]).abs().max() < 1e-5
+    assert layer.evicted == int((~keep).sum(-1).max())
+
+
+def test_kv_bytes_are_the_bytes_held_and_close_to_dynamic_cache():
+    ref, model, ref_cache, cache = _prefilled(arch="llama", router="round_robin", batch=1, length=500)
+    dyn = sum(la.keys.nbytes + la.values.nbytes for la in ref_cache.layers)
+    held = sum(la.store.keys.nbytes + la.store.values.nbytes for la in cache.layers)
+    assert cache.kv_nbytes() == held
+    assert dyn <= held <= 1.05 * dyn
+
+
+def test_track_stats_accumulates_attention_mass():
+    _, model = model_pair("llama")
+    cache = pikv(model, "round_robin", track_stats=True)
+    with torch.no_grad():
+        model(prompt(12), past_key_values=cache)
+    store = cache.layers[0].store
+    heads_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
+    # every query row distributes a probability mass of 1 over the slots it attends to
+    assert torch.allclose(store.attn_mass.sum(-1), torch.full((1, 2), 12.0 * heads_per_kv))
+    first = store.valid & (store.pos == 0)
+    assert (store.hits[first] >= 1).all() and store.hits.sum() > 0
+
+
+def test_reset_and_reuse():
+    ref, model, _, cache = _prefilled(batch=1)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.kv_nbytes() == 0
+    fresh = DynamicCache()
+    ids = prompt(9, seed=3)
+    with torch.no_grad():
+        a = ref(ids, past_key_values=fresh).logits
+        b = model(ids, past_key_values=cache).logits
+    assert (a - b).abs().max() < TOL

@@ -1,0 +1,81 @@
+"""PagedShardStore against a sequential pure-Python model of pages and shards."""
+
+import torch
+
+from pikv_hf.store import PagedShardStore
+
+
+def reference_slots(shards: list[list[int]], page_size: int) -> list[int]:
+    """Slot of every token when tokens arrive in order and each shard fills its own pages (one (b, h) row)."""
+    open_page: dict[int, tuple[int, int]] = {}
+    n_pages, slots = 0, []
+    for chunk in shards:
+        for s in chunk:
+            page, fill = open_page.get(s, (-1, page_size))
+            if fill == page_size:
+                page, fill, n_pages = n_pages, 0, n_pages + 1
+            slots.append(page * page_size + fill)
+            open_page[s] = (page, fill + 1)
+    return slots
+
+
+def _pages(slots: list[int], page_size: int) -> set[frozenset[int]]:
+    groups: dict[int, set[int]] = {}
+    for token, slot in enumerate(slots):
+        groups.setdefault(slot // page_size, set()).add(token)
+    return {frozenset(v) for v in groups.values()}
+
+
+def test_append_places_tokens_like_the_sequential_reference():
+    g = torch.Generator().manual_seed(0)
+    b, h, p, s = 2, 3, 4, 5
+    store = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"))
+    chunks, keys, seen = [], [], 0
+    for q in (13, 1, 1, 7, 1):
+        shard = torch.randint(0, s, (b, h, q), generator=g)
+        k = torch.randn(b, h, q, 8, generator=g)
+        slot = store.append(k, torch.randn(b, h, q, 6, generator=g), shard, torch.arange(seen, seen + q))
+        chunks.append((shard, slot))
+        keys.append(k)
+        seen += q
+    for bi in range(b):
+        for hi in range(h):
+            expected = reference_slots([c[0][bi, hi].tolist() for c in chunks], p)
+            got = torch.cat([c[1][bi, hi] for c in chunks]).tolist()
+            # same pages up to their numbering: which tokens share a page, and at which offset
+            assert [x % p for x in got] == [x % p for x in expected]
+            assert _pages(got, p) == _pages(expected, p)
+            assert int(store.n_pages[bi, hi]) == len(_pages(expected, p))
+    all_keys, all_slots = torch.cat(keys, 2), torch.cat([c[1] for c in chunks], 2)
+    assert torch.equal(store.keys.gather(2, all_slots[..., None].expand(-1, -1, -1, 8)), all_keys)
+    assert torch.equal(store.pos.gather(2, all_slots), torch.arange(seen, dtype=torch.int32).expand(b, h, seen))
+    assert int(store.valid.sum()) == b * h * seen
+    # every page belongs to the shard of the tokens in it
+    all_shards = torch.cat([c[0] for c in chunks], 2)
+    assert torch.equal(store.slot_shard().gather(2, all_slots), all_shards)
+    assert torch.equal(store.tokens_per_shard(), torch.nn.functional.one_hot(all_shards, s).sum(2))
+
+
+def test_compact_keeps_shards_positions_and_statistics_and_releases_pages():
+    g = torch.Generator().manual_seed(1)
+    b, h, p, s, n = 2, 2, 4, 3, 40
+    store = PagedShardStore(b, h, 4, 4, s, p, torch.float32, torch.device("cpu"))
+    shard = torch.randint(0, s, (b, h, n), generator=g)
+    k = torch.randn(b, h, n, 4, generator=g)
+    slot = store.append(k, k + 1, shard, torch.arange(n))
+    store.attn_mass.scatter_(2, slot, torch.arange(n, dtype=torch.float32).expand(b, h, n).contiguous())
+    keep_tok = torch.rand(b, h, n, generator=g) < 0.4  # ragged per (b, h)
+    keep = torch.zeros_like(store.valid).scatter_(2, slot, keep_tok)
+    pages_before = store.capacity_pages
+    store.compact(keep)
+    for bi in range(b):
+        for hi in range(h):
+            kept = keep_tok[bi, hi].nonzero().squeeze(-1)
+            valid = store.valid[bi, hi]
+            order = store.pos[bi, hi][valid].argsort()
+            assert torch.equal(store.pos[bi, hi][valid][order].long(), kept)
+            assert torch.equal(store.keys[bi, hi][valid][order], k[bi, hi, kept])
+            assert torch.equal(store.values[bi, hi][valid][order], k[bi, hi, kept] + 1)
+            assert torch.equal(store.attn_mass[bi, hi][valid][order], kept.float())
+            assert torch.equal(store.slot_shard()[bi, hi][valid][order], shard[bi, hi, kept])
+    assert store.capacity_pages < pages_before
