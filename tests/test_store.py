@@ -79,3 +79,41 @@ def test_compact_keeps_shards_positions_and_statistics_and_releases_pages():
             assert torch.equal(store.attn_mass[bi, hi][valid][order], kept.float())
             assert torch.equal(store.slot_shard()[bi, hi][valid][order], shard[bi, hi, kept])
     assert store.capacity_pages < pages_before
+
+
+def _summary_reference(k, shard, mask, s):
+    member = torch.nn.functional.one_hot(shard, s).bool() & mask[..., None]  # [B, H, T, S]
+    total = member.float().transpose(2, 3) @ k
+    lo = torch.where(member[..., None], k[:, :, :, None], float("inf")).amin(2)
+    hi = torch.where(member[..., None], k[:, :, :, None], float("-inf")).amax(2)
+    return member.sum(2), total, lo, hi
+
+
+def test_shard_summaries_follow_appends_invalidation_and_compaction():
+    g = torch.Generator().manual_seed(2)
+    b, h, p, s, d = 2, 2, 4, 3, 5
+    store = PagedShardStore(b, h, d, d, s, p, torch.float32, torch.device("cpu"))
+    shard = torch.randint(0, s, (b, h, 30), generator=g)
+    k = torch.randn(b, h, 30, d, generator=g)
+    first = store.append(k[:, :, :20], k[:, :, :20], shard[:, :, :20], torch.arange(20))
+    pad = torch.ones(b, 20, dtype=torch.bool)
+    pad[1, :6] = False  # left padding of row 1
+    store.invalidate(first, pad)
+    second = store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
+    mask = torch.ones(b, h, 30, dtype=torch.bool)
+    mask[1, :, :6] = False
+
+    def check(mask):
+        count, total, lo, hi = _summary_reference(k, shard, mask, s)
+        assert torch.equal(store.shard_count, count)
+        assert torch.allclose(store.shard_sum, total, atol=1e-5)
+        assert torch.equal(store.shard_min, lo) and torch.equal(store.shard_max, hi)
+        centroids = store.summary(torch.zeros_like(count)).centroids
+        assert torch.allclose(centroids, total / count.clamp(min=1)[..., None], atol=1e-6)
+
+    check(mask)
+    keep = mask.clone()
+    keep[0, 1, 25:] = False  # a ragged eviction on one head
+    slots = torch.cat([first, second], 2)
+    store.compact(torch.zeros_like(store.valid).scatter_(2, slots, keep))
+    check(keep)

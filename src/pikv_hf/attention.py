@@ -55,16 +55,25 @@ def pikv_mask(
 
 
 def allowed_mask(
-    valid: torch.Tensor, pos: torch.Tensor, qpos: torch.Tensor, sliding_window: int | None
+    valid: torch.Tensor,
+    pos: torch.Tensor,
+    qpos: torch.Tensor,
+    sliding_window: int | None,
+    routed: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """``[B, H, q, C]`` bool: which stored slots each query may attend to.
 
-    ``valid`` and ``pos`` are ``[B, H, C]``; ``qpos`` is ``[q]``.
+    ``valid`` and ``pos`` are ``[B, H, C]``; ``qpos`` is ``[q]``. ``routed = (chosen, window)`` further keeps only
+    slots where ``chosen`` (``[B, H, C]``: selected shard or sink) holds or that lie in the query's last
+    ``window`` positions.
     """
     rel = qpos.view(1, 1, -1, 1).to(pos.dtype) - pos.unsqueeze(2)  # distance query -> key, [B,H,q,C]
     allowed = valid.unsqueeze(2) & (rel >= 0)
     if sliding_window is not None:
         allowed &= rel < sliding_window
+    if routed is not None:
+        chosen, window = routed
+        allowed &= chosen.unsqueeze(2) | (rel < window)
     return allowed
 
 
@@ -117,6 +126,7 @@ def masked_attention(
     sinks: torch.Tensor | None = None,
     groups: list[torch.Tensor] | None = None,
     mass_out: torch.Tensor | None = None,
+    routed: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Exact GQA attention of new queries over stored slots, per key group, merged by log-sum-exp.
 
@@ -142,6 +152,8 @@ def masked_attention(
     mass_out : torch.Tensor, optional
         ``[B, H, C]`` float32; when given, the attention probability each slot received (summed over the query
         rows of its KV head) is added to it.
+    routed : (torch.Tensor, int), optional
+        Routed-attention restriction passed to ``allowed_mask``.
 
     Returns
     -------
@@ -160,7 +172,7 @@ def masked_attention(
         qc = qg[:, :, :, start : start + chunk]
         n = qc.shape[3]
         scores = torch.matmul(qc.reshape(b, h, g * n, dk), keys.transpose(-1, -2)).float().mul_(scale)
-        allowed = allowed_mask(valid, pos, qpos[start : start + chunk], sliding_window).unsqueeze(2)  # [B,H,1,n,C]
+        allowed = allowed_mask(valid, pos, qpos[start : start + chunk], sliding_window, routed).unsqueeze(2)
         scores5 = scores.view(b, h, g, n, c)
         parts = []
         for group in groups or [None]:

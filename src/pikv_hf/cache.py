@@ -20,12 +20,75 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from pikv_hf.attention import ATTN_IMPLEMENTATION, masked_attention
-from pikv_hf.routing import ExpertTap, Placement, PlacementContext, check_placement_name, make_placement
+from pikv_hf.attention import ATTN_IMPLEMENTATION, allowed_mask, masked_attention
+from pikv_hf.routing import (
+    SELECTORS,
+    ExpertTap,
+    Placement,
+    PlacementContext,
+    Selector,
+    check_placement_name,
+    make_placement,
+    make_selector,
+)
 from pikv_hf.routing.expert import num_experts_of
 from pikv_hf.store import PagedShardStore
 
 DEFAULT_DENSE_SHARDS = 8
+
+
+@dataclass(frozen=True)
+class RoutedAttention:
+    """Settings of routed decode attention (PiKV Routing).
+
+    At decode time (one new token per row) each query attends, per batch row and KV head, only to the tokens of
+    its ``top_k_shards`` selected shards, plus always the first ``n_sink`` positions and its last ``window``
+    positions. Prefill stays exact.
+
+    Attributes
+    ----------
+    top_k_shards : int
+        Shards selected per query, in ``[1, num_shards]``.
+    selector : str
+        Selection router (``pikv_hf.routing.SELECTORS``).
+    n_sink, window : int
+        Always-kept first positions and recent window.
+    measure_recall : bool
+        On every routed step also run exact attention and record the fraction of its probability mass that the
+        routed tokens hold (slow: for measurements).
+    reward_every : int
+        Learning selectors (``adaptive``) get that recall as reward every ``reward_every`` routed steps.
+    """
+
+    top_k_shards: int
+    selector: str = "topk"
+    n_sink: int = 4
+    window: int = 64
+    measure_recall: bool = False
+    reward_every: int = 16
+
+
+@dataclass
+class RoutingStats:
+    """What routed attention read, accumulated over routed steps of one layer (sums over rows and KV heads)."""
+
+    steps: int = 0
+    heads: int = 0  # (row, KV head) pairs routed, summed over steps
+    tokens_attended: int = 0
+    tokens_stored: int = 0
+    pages_gathered: int = 0
+    pages_stored: int = 0
+    recall_sum: float = 0.0
+    recall_heads: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "steps": self.steps,
+            "selected_tokens_per_head": self.tokens_attended / max(1, self.heads),
+            "fraction_tokens_attended": self.tokens_attended / max(1, self.tokens_stored),
+            "fraction_pages_read": self.pages_gathered / max(1, self.pages_stored),
+            "recall": self.recall_sum / self.recall_heads if self.recall_heads else float("nan"),
+        }
 
 
 @dataclass(frozen=True)
@@ -50,13 +113,21 @@ class PiKVLayer(CacheLayerMixin):
         Number of groups the shards are split into for attention; one partial per group, merged exactly.
     track_stats : bool
         Update each slot's attention mass, hit count and last access in the attention path.
+    routed : RoutedAttention, optional
+        Routed decode attention; None for exact attention.
     """
 
     is_sliding = False
     is_compileable = False
 
     def __init__(
-        self, layer_idx: int, placement: Placement, page_size: int, shard_groups: int = 1, track_stats: bool = False
+        self,
+        layer_idx: int,
+        placement: Placement,
+        page_size: int,
+        shard_groups: int = 1,
+        track_stats: bool = False,
+        routed: RoutedAttention | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -65,6 +136,11 @@ class PiKVLayer(CacheLayerMixin):
         self.page_size = page_size
         self.shard_groups = shard_groups
         self.track_stats = track_stats
+        self.routed = routed
+        self.selector = make_selector(routed.selector) if routed is not None else None
+        self.routing_stats = RoutingStats()
+        self.misses: torch.Tensor | None = None  # [B, H, S] selected shards that had lost tokens to eviction
+        self.shard_evicted: torch.Tensor | None = None  # [B, H, S] tokens evicted from each shard
         self.store: PagedShardStore | None = None
         self.seen = 0  # tokens seen by this layer, pads included
         self.evicted = 0  # most tokens evicted from any (row, KV head): crop is not eviction
@@ -162,6 +238,8 @@ class PiKVLayer(CacheLayerMixin):
             keys, values = self._fresh_kv
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
             return out.transpose(1, 2)
+        if self.routed is not None and q == 1:
+            return self._attend_routed(query, scale, sliding_window, sinks)
         groups = None
         if self.shard_groups > 1:
             group_of_slot = st.slot_shard() * self.shard_groups // self.num_shards
@@ -173,6 +251,71 @@ class PiKVLayer(CacheLayerMixin):
         if mass is not None:
             self._record_stats(mass, query.shape[1] // st.heads * q)
         return out
+
+    def _attend_routed(
+        self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Routed decode attention: selected shards + sinks + recent window, read page by page."""
+        st, cfg = self.store, self.routed
+        b, hq, q, dk = query.shape
+        h, s, p = st.heads, self.num_shards, self.page_size
+        if self.misses is None or self.misses.shape[:2] != (b, h):
+            self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=st.device)
+        qg = query.reshape(b, h, hq // h * q, dk)
+        summary = st.summary(self.misses)
+        selected = self.selector.select(qg, summary, cfg.top_k_shards)  # [B, H, k]
+        chosen_shard = torch.zeros(b, h, s, dtype=torch.bool, device=st.device).scatter_(2, selected, True)
+        if self.shard_evicted is not None:
+            self.misses += (chosen_shard & (self.shard_evicted > 0)).long()
+        qpos = self._last_qpos
+        # pages to read: pages of selected shards, and pages holding sink or recent-window tokens
+        posp = st.pos.view(b, h, -1, p)
+        special = st.valid.view(b, h, -1, p) & ((posp < cfg.n_sink) | (posp > int(qpos[0]) - cfg.window))
+        in_shard = chosen_shard.gather(2, st.page_shard.clamp(min=0)) & (st.page_shard >= 0)
+        need = in_shard | special.any(-1)  # [B, H, NP]
+        n_read = need.sum(-1)
+        n = int(n_read.max())
+        pages = torch.argsort((~need).to(torch.uint8), dim=-1, stable=True)[..., :n]
+        part = st.gather_pages(pages)
+        valid = part["valid"] & need.gather(2, pages).repeat_interleave(p, dim=-1)
+        chosen = chosen_shard.gather(2, part["shard"].clamp(min=0)) | (part["pos"] < cfg.n_sink)
+        routed = (chosen, cfg.window)
+        out = masked_attention(
+            query, part["keys"], part["values"], valid, part["pos"], qpos, scale, sliding_window, sinks, routed=routed
+        )
+        attended = allowed_mask(valid, part["pos"], qpos, sliding_window, routed).any(2)
+        stats = self.routing_stats
+        stats.steps += 1
+        stats.heads += b * h
+        stats.tokens_attended += int(attended.sum())
+        stats.tokens_stored += int(st.valid.sum())
+        stats.pages_gathered += int(n_read.sum())
+        stats.pages_stored += int(st.n_pages.sum())
+        learn = self.selector.update is not Selector.update and stats.steps % cfg.reward_every == 0
+        if cfg.measure_recall or learn:
+            recall = self._recall(query, scale, sliding_window, sinks, chosen_shard)
+            stats.recall_sum += float(recall.sum())
+            stats.recall_heads += recall.numel()
+            if learn:
+                self.selector.update(qg, summary, selected, recall)
+        return out
+
+    def _recall(
+        self,
+        query: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+        chosen_shard: torch.Tensor,
+    ) -> torch.Tensor:
+        """``[B, H]`` fraction of exact attention's probability mass on the tokens routed attention keeps."""
+        st, cfg = self.store, self.routed
+        mass = torch.zeros_like(st.attn_mass)
+        qpos = self._last_qpos
+        masked_attention(query, st.keys, st.values, st.valid, st.pos, qpos, scale, sliding_window, sinks, mass_out=mass)
+        chosen = chosen_shard.gather(2, st.slot_shard().clamp(min=0)) | (st.pos < cfg.n_sink)
+        kept = allowed_mask(st.valid, st.pos, qpos, sliding_window, (chosen, cfg.window)).any(2)
+        return (mass * kept).sum(-1) / mass.sum(-1).clamp(min=torch.finfo(torch.float32).tiny)
 
     def _record_stats(self, mass: torch.Tensor, rows: int) -> None:
         """Accumulate attention mass (summed over the ``rows`` query rows of each KV head); a *hit* is a slot that
@@ -198,7 +341,10 @@ class PiKVLayer(CacheLayerMixin):
             raise ValueError(
                 f"keep must be a bool tensor of shape {tuple(st.valid.shape)}, got {keep.dtype} {tuple(keep.shape)}"
             )
-        removed = (st.valid & ~keep).sum(-1)
+        dropped = st.valid & ~keep
+        removed = dropped.sum(-1)
+        per_shard = torch.zeros_like(st.shard_count).scatter_add_(2, st.slot_shard().clamp(min=0), dropped.long())
+        self.shard_evicted = per_shard if self.shard_evicted is None else self.shard_evicted + per_shard
         st.compact(keep)
         self.evicted += int(removed.max())
         self._last_slot = self._last_qpos = self._fresh_kv = None
@@ -221,7 +367,10 @@ class PiKVLayer(CacheLayerMixin):
         self.is_initialized = False
         self.seen = self.evicted = 0
         self._last_slot = self._last_qpos = self._fresh_kv = None
+        self.misses = self.shard_evicted = None
         self.placement.reset()
+        if self.selector is not None:
+            self.selector.reset()
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` positions (negative: drop that many from the end). Only before eviction."""
@@ -247,6 +396,8 @@ class PiKVLayer(CacheLayerMixin):
             self.store.index_batch(index)
             self.placement.index_batch(index)
             self._last_slot = None if self._last_slot is None else self._last_slot.index_select(0, index)
+            self.misses = None if self.misses is None else self.misses.index_select(0, index)
+            self.shard_evicted = None if self.shard_evicted is None else self.shard_evicted.index_select(0, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx.to(self.device) if self.store is not None else beam_idx)
@@ -313,6 +464,17 @@ class PiKVCache(Cache):
         partials are merged exactly with log-sum-exp (default 1: one group on one device).
     track_stats : bool
         Update per-token attention mass / hits / last access during attention (default False).
+    attention : str
+        ``"exact"`` (default) or ``"routed"``: at decode time each query attends only to its ``top_k_shards``
+        selected shards plus ``n_sink`` first and ``window`` recent positions (see ``RoutedAttention``).
+    top_k_shards : int, optional
+        Shards per query in routed mode, in ``[1, num_shards]``.
+    selector : str
+        Selection router for routed mode (``pikv_hf.routing.SELECTORS``; default ``"topk"``).
+    n_sink, window : int
+        Always-kept first positions (default 4) and recent window (default 64) in routed mode.
+    measure_recall : bool
+        Routed mode: also compute exact attention each step and record the recall (slow; for measurements).
 
     Examples
     --------
@@ -328,6 +490,12 @@ class PiKVCache(Cache):
         page_size: int = 16,
         shard_groups: int = 1,
         track_stats: bool = False,
+        attention: str = "exact",
+        top_k_shards: int | None = None,
+        selector: str = "topk",
+        n_sink: int = 4,
+        window: int = 64,
+        measure_recall: bool = False,
     ) -> None:
         is_model = isinstance(model, nn.Module)
         config = model.config if is_model else model
@@ -346,6 +514,22 @@ class PiKVCache(Cache):
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         if not isinstance(shard_groups, int) or not 1 <= shard_groups <= num_shards:
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
+        routed = None
+        if attention not in ("exact", "routed"):
+            raise ValueError(f"attention must be 'exact' or 'routed', got {attention!r}")
+        if attention == "routed":
+            if not isinstance(top_k_shards, int) or not 1 <= top_k_shards <= num_shards:
+                raise ValueError(
+                    f"top_k_shards must be an integer in [1, num_shards={num_shards}] for attention='routed', "
+                    f"got {top_k_shards!r}"
+                )
+            if selector not in SELECTORS:
+                raise ValueError(f"selector must be one of {', '.join(SELECTORS)}; got {selector!r}")
+            if not isinstance(n_sink, int) or n_sink < 0:
+                raise ValueError(f"n_sink must be an integer >= 0, got {n_sink!r}")
+            if not isinstance(window, int) or window < 1:
+                raise ValueError(f"window must be an integer >= 1, got {window!r}")
+            routed = RoutedAttention(top_k_shards, selector, n_sink, window, measure_recall)
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
         tap = _expert_tap(model) if router == "expert" else None
@@ -353,13 +537,14 @@ class PiKVCache(Cache):
             attach(model)
         n_layers = text_config.num_hidden_layers
         layers = [
-            PiKVLayer(i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats)
+            PiKVLayer(i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats, routed)
             for i in range(n_layers)
         ]
         super().__init__(layers=layers)
         self.router = router
         self.num_shards = num_shards
         self.page_size = page_size
+        self.routed = routed
 
     def update(
         self,
@@ -381,6 +566,15 @@ class PiKVCache(Cache):
     def tokens_per_shard(self) -> torch.Tensor:
         """``[L, S]`` valid tokens per shard and layer, summed over batch rows and KV heads."""
         return torch.stack([layer.tokens_per_shard().sum(dim=(0, 1)) for layer in self.layers])
+
+    def routing_stats(self) -> dict:
+        """Routed mode: per-layer and overall fraction of KV read, tokens per head and recall (if measured)."""
+        per_layer = [layer.routing_stats.as_dict() for layer in self.layers]
+        total = RoutingStats()
+        for layer in self.layers:
+            for name, value in vars(layer.routing_stats).items():
+                setattr(total, name, getattr(total, name) + value)
+        return {"overall": total.as_dict(), "per_layer": per_layer}
 
     def kv_nbytes(self) -> int:
         """Bytes allocated for keys and values across layers."""

@@ -7,12 +7,15 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pikv_hf.routing import PLACEMENTS
+    from pikv_hf.tiny import TINY_ARCHS
+
     parser = argparse.ArgumentParser(prog="pikv-hf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="DynamicCache vs PiKVCache on an embedded tiny MoE model (no download)")
-    demo.add_argument("--arch", default="mixtral", help="tiny architecture to build (see pikv_hf.tiny.TINY_ARCHS)")
-    demo.add_argument("--router", default="expert", help="placement router: round_robin | expert | key_cluster")
+    demo.add_argument("--arch", default="mixtral", choices=list(TINY_ARCHS), help="tiny architecture to build")
+    demo.add_argument("--router", default="expert", choices=PLACEMENTS, help="placement router")
     demo.add_argument("--prompt-len", type=int, default=256)
     demo.add_argument("--new-tokens", type=int, default=32)
     demo.add_argument("--seed", type=int, default=0)

@@ -25,15 +25,25 @@ page_shard    ``[B, H, NP]``      int64, shard of each page (-1 unused)
 n_pages       ``[B, H]``          int64, pages in use
 open_page     ``[B, H, S]``       int64, each shard's open page (-1 none)
 open_fill     ``[B, H, S]``       int64, tokens in that page
+shard_sum     ``[B, H, S, Dk]``   float32, sum of the shard's valid keys
+shard_count   ``[B, H, S]``       int64, valid tokens of the shard
+shard_min     ``[B, H, S, Dk]``   float32, element-wise min of its keys
+shard_max     ``[B, H, S, Dk]``   float32, element-wise max of its keys
 ============  ==================  ======================================
+
+The shard summaries are maintained on every append and rebuilt after compaction or invalidation, so a
+selector reads ``O(S * Dk)`` numbers per KV head instead of rescanning the keys.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pikv_hf.routing.base import ShardSummary
+
 _SLOT_FIELDS = ("keys", "values", "pos", "valid", "attn_mass", "last_access", "hits")
-_BATCH_FIELDS = (*_SLOT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill")
+_SUMMARY_FIELDS = ("shard_sum", "shard_count", "shard_min", "shard_max")
+_BATCH_FIELDS = (*_SLOT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill", *_SUMMARY_FIELDS)
 _STAT_FIELDS = ("attn_mass", "last_access", "hits")
 
 
@@ -71,6 +81,11 @@ class PagedShardStore:
         self.n_pages = torch.zeros(b, h, dtype=torch.int64, device=dev)
         self.open_page = torch.full((b, h, self.num_shards), -1, dtype=torch.int64, device=dev)
         self.open_fill = torch.zeros(b, h, self.num_shards, dtype=torch.int64, device=dev)
+        s = self.num_shards
+        self.shard_sum = torch.zeros(b, h, s, self.k_dim, dtype=torch.float32, device=dev)
+        self.shard_count = torch.zeros(b, h, s, dtype=torch.int64, device=dev)
+        self.shard_min = torch.full((b, h, s, self.k_dim), float("inf"), device=dev)
+        self.shard_max = torch.full((b, h, s, self.k_dim), float("-inf"), device=dev)
 
     @property
     def batch(self) -> int:
@@ -159,7 +174,38 @@ class PagedShardStore:
         if sel is not None:
             page_flat, shard_flat = page_flat[sel], shard_flat[sel]
         self.page_shard.view(-1).index_copy_(0, page_flat, shard_flat)
+        self._add_to_summaries(keys, shard, count, present)
         return slot if present is None else torch.where(present, slot, -1)
+
+    def _add_to_summaries(
+        self, keys: torch.Tensor, shard: torch.Tensor, count: torch.Tensor, present: torch.Tensor | None
+    ) -> None:
+        """Fold ``[B, H, q, Dk]`` keys into their shards' sum / count / min / max."""
+        k = keys.float()
+        idx = shard.unsqueeze(-1).expand_as(k)
+        if present is None:
+            lo = hi = k
+        else:
+            keep = present.unsqueeze(-1)
+            k = k * keep
+            lo = k.masked_fill(~keep, float("inf"))
+            hi = k.masked_fill(~keep, float("-inf"))
+        self.shard_sum.scatter_add_(2, idx, k)
+        self.shard_count += count
+        self.shard_min.scatter_reduce_(2, idx, lo, "amin")
+        self.shard_max.scatter_reduce_(2, idx, hi, "amax")
+
+    def rebuild_summaries(self) -> None:
+        """Recompute the shard summaries from the valid slots (after slots were invalidated)."""
+        s = self.num_shards
+        b, h = self.batch, self.heads
+        self.shard_sum = torch.zeros(b, h, s, self.k_dim, device=self.device)
+        self.shard_count = torch.zeros(b, h, s, dtype=torch.int64, device=self.device)
+        self.shard_min = torch.full((b, h, s, self.k_dim), float("inf"), device=self.device)
+        self.shard_max = torch.full((b, h, s, self.k_dim), float("-inf"), device=self.device)
+        shard = self.slot_shard().clamp(min=0)
+        count = torch.zeros_like(self.shard_count).scatter_add_(2, shard, self.valid.long())
+        self._add_to_summaries(self.keys, shard, count, self.valid)
 
     def _flat_index(self, slot: torch.Tensor, present: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flattened ``[B*H*C]`` index of each (present) token's slot, and the selection of present tokens."""
@@ -178,7 +224,10 @@ class PagedShardStore:
 
     def invalidate(self, slot: torch.Tensor, keep: torch.Tensor) -> None:
         """Clear the valid bit of appended ``slot`` entries (``[B, H, q]``) where ``keep`` (``[B, q]``) is False."""
+        if bool(keep.all()):
+            return
         self.valid.scatter_(2, slot, self.valid.gather(2, slot) & keep.unsqueeze(1))
+        self.rebuild_summaries()
 
     # ------------------------------------------------------------------ batch ops
     def index_batch(self, index: torch.Tensor) -> None:
@@ -229,11 +278,37 @@ class PagedShardStore:
         out = torch.zeros(self.batch, self.heads, self.num_shards, dtype=torch.int64, device=self.device)
         return out.scatter_add_(2, shard, self.valid.to(torch.int64))
 
+    def summary(self, misses: torch.Tensor) -> ShardSummary:
+        """The shards as a selector sees them (every shard is resident: no offload tier yet)."""
+        count = self.shard_count
+        return ShardSummary(
+            centroids=self.shard_sum / count.clamp(min=1).unsqueeze(-1),
+            counts=count,
+            key_min=self.shard_min,
+            key_max=self.shard_max,
+            resident=torch.ones_like(count, dtype=torch.bool),
+            misses=misses,
+        )
+
+    def gather_pages(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Copy the listed pages (``[B, H, n]`` page ids) of every slot field into ``[B, H, n * P, ...]`` tensors."""
+        b, h, n = pages.shape
+        p, np_ = self.page_size, self.capacity_pages
+        flat = (torch.arange(b * h, device=pages.device).view(b, h, 1) * np_ + pages).reshape(-1)
+        out = {}
+        for name in ("keys", "values", "pos", "valid"):
+            t = getattr(self, name)
+            tail = t.shape[3:]
+            rows = t.reshape(b * h * np_, p * max(1, tail.numel()))  # one row per page, contiguous
+            out[name] = rows.index_select(0, flat).view(b, h, n * p, *tail)
+        out["shard"] = self.page_shard.gather(2, pages).repeat_interleave(p, dim=-1)
+        return out
+
     def kv_nbytes(self) -> int:
         """Bytes held by the key and value tensors."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
     def meta_nbytes(self) -> int:
         """Bytes held by positions, valid bits, statistics and page tables."""
-        names = ("pos", "valid", *_STAT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill")
+        names = ("pos", "valid", *_STAT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill", *_SUMMARY_FIELDS)
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
