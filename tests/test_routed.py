@@ -96,3 +96,18 @@ def test_bad_routed_arguments(kwargs, message):
     kwargs.setdefault("attention", "routed")
     with pytest.raises(ValueError, match=message):
         PiKVCache(tiny_config("mixtral"), **kwargs)
+
+
+def test_set_attention_switches_a_filled_cache_and_rejects_bad_input_first():
+    _, model = model_pair("mixtral")
+    cache = pikv(model, "key_cluster")
+    with torch.no_grad():
+        model(prompt(40), past_key_values=cache)
+        with pytest.raises(ValueError, match="top_k_shards must be an integer in \\[1, num_shards=4\\]"):
+            cache.set_attention("routed", top_k_shards=9)
+        assert cache.routed is None and all(layer.routed is None for layer in cache.layers)
+        cache.set_attention("routed", top_k_shards=1, n_sink=0, window=1)
+        model(prompt(1, seed=3), past_key_values=cache)
+    stats = cache.routing_stats()
+    assert stats["overall"]["steps"] == len(cache.layers) == len(stats["per_layer"])
+    assert stats["overall"]["fraction_tokens_attended"] < 0.5

@@ -136,9 +136,7 @@ class PiKVLayer(CacheLayerMixin):
         self.page_size = page_size
         self.shard_groups = shard_groups
         self.track_stats = track_stats
-        self.routed = routed
-        self.selector = make_selector(routed.selector) if routed is not None else None
-        self.routing_stats = RoutingStats()
+        self.set_routed(routed)
         self.misses: torch.Tensor | None = None  # [B, H, S] selected shards that had lost tokens to eviction
         self.shard_evicted: torch.Tensor | None = None  # [B, H, S] tokens evicted from each shard
         self.store: PagedShardStore | None = None
@@ -147,6 +145,12 @@ class PiKVLayer(CacheLayerMixin):
         self._last_slot: torch.Tensor | None = None  # [B, H, q] slots of the latest update
         self._last_qpos: torch.Tensor | None = None  # [q] positions of the latest update
         self._fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # latest K/V when the store was empty
+
+    def set_routed(self, routed: RoutedAttention | None) -> None:
+        """Use routed decode attention with these settings (None: exact); fresh selector and statistics."""
+        self.routed = routed
+        self.selector = make_selector(routed.selector) if routed is not None else None
+        self.routing_stats = RoutingStats()
 
     # ------------------------------------------------------------------ CacheLayerMixin contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -443,6 +447,35 @@ def _expert_tap(model: nn.Module) -> ExpertTap:
     return tap
 
 
+def routed_settings(
+    num_shards: int,
+    attention: str,
+    top_k_shards: int | None,
+    selector: str,
+    n_sink: int,
+    window: int,
+    measure_recall: bool,
+) -> RoutedAttention | None:
+    """Validate the attention arguments of ``PiKVCache``; the ``RoutedAttention`` they ask for, or None (exact)."""
+    routed = None
+    if attention not in ("exact", "routed"):
+        raise ValueError(f"attention must be 'exact' or 'routed', got {attention!r}")
+    if attention == "routed":
+        if not isinstance(top_k_shards, int) or not 1 <= top_k_shards <= num_shards:
+            raise ValueError(
+                f"top_k_shards must be an integer in [1, num_shards={num_shards}] for attention='routed', "
+                f"got {top_k_shards!r}"
+            )
+        if selector not in SELECTORS:
+            raise ValueError(f"selector must be one of {', '.join(SELECTORS)}; got {selector!r}")
+        if not isinstance(n_sink, int) or n_sink < 0:
+            raise ValueError(f"n_sink must be an integer >= 0, got {n_sink!r}")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        routed = RoutedAttention(top_k_shards, selector, n_sink, window, measure_recall)
+    return routed
+
+
 class PiKVCache(Cache):
     """Expert-sharded paged KV cache; with no compression it reproduces ``DynamicCache`` exactly.
 
@@ -514,22 +547,7 @@ class PiKVCache(Cache):
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         if not isinstance(shard_groups, int) or not 1 <= shard_groups <= num_shards:
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
-        routed = None
-        if attention not in ("exact", "routed"):
-            raise ValueError(f"attention must be 'exact' or 'routed', got {attention!r}")
-        if attention == "routed":
-            if not isinstance(top_k_shards, int) or not 1 <= top_k_shards <= num_shards:
-                raise ValueError(
-                    f"top_k_shards must be an integer in [1, num_shards={num_shards}] for attention='routed', "
-                    f"got {top_k_shards!r}"
-                )
-            if selector not in SELECTORS:
-                raise ValueError(f"selector must be one of {', '.join(SELECTORS)}; got {selector!r}")
-            if not isinstance(n_sink, int) or n_sink < 0:
-                raise ValueError(f"n_sink must be an integer >= 0, got {n_sink!r}")
-            if not isinstance(window, int) or window < 1:
-                raise ValueError(f"window must be an integer >= 1, got {window!r}")
-            routed = RoutedAttention(top_k_shards, selector, n_sink, window, measure_recall)
+        routed_settings(num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
         tap = _expert_tap(model) if router == "expert" else None
@@ -537,14 +555,33 @@ class PiKVCache(Cache):
             attach(model)
         n_layers = text_config.num_hidden_layers
         layers = [
-            PiKVLayer(i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats, routed)
+            PiKVLayer(i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats)
             for i in range(n_layers)
         ]
         super().__init__(layers=layers)
         self.router = router
         self.num_shards = num_shards
         self.page_size = page_size
+        self.routed: RoutedAttention | None = None
+        self.set_attention(attention, top_k_shards, selector, n_sink, window, measure_recall)
+
+    def set_attention(
+        self,
+        attention: str = "exact",
+        top_k_shards: int | None = None,
+        selector: str = "topk",
+        n_sink: int = 4,
+        window: int = 64,
+        measure_recall: bool = False,
+    ) -> None:
+        """Switch every layer between exact and routed decode attention (arguments as in the constructor).
+
+        Stored tokens are kept; selectors and routing statistics start fresh. Raises before changing anything.
+        """
+        routed = routed_settings(self.num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
         self.routed = routed
+        for layer in self.layers:
+            layer.set_routed(routed)
 
     def update(
         self,

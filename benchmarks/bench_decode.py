@@ -1,0 +1,184 @@
+"""Decode speed at long context: DynamicCache + SDPA vs PiKVCache exact vs PiKVCache routed (k/E = 1/4).
+
+The caches are filled directly with ``cache.update`` (random fp32 K/V, ``context`` tokens per layer) instead of a
+model prefill, because decode cost depends only on sizes and an O(T^2) CPU prefill at 32k would dominate the run.
+Then, side by side in one process:
+
+* ``step_ms``: one whole-model decode step (``model(token, past_key_values=cache)``), median of ``--steps``;
+* ``attn_ms``: one layer's attention for one query token: SDPA (transformers' GQA path) over the DynamicCache
+  tensors, ``PiKVLayer.attend`` for PiKVCache;
+* ``bound_ms``: that attention's bytes read / measured read bandwidth. Bytes read = K+V of every stored token
+  (DynamicCache, exact: slots incl. headroom), or K+V of the selected pages read once (routed: the ideal fused
+  kernel; the torch path here copies them with a gather first, so it moves about 3x those bytes).
+
+Realistic attention sizes: 32 query heads, 4 KV heads, head_dim 128, 4 layers. Selection on random keys carries
+no signal: this measures speed only (quality is in routing_recall.py and the eval harness).
+
+    python benchmarks/bench_decode.py --contexts 8192 16384 32768 --out benchmarks/results/decode_speed_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from bench_cache import CONFIG, read_bandwidth_gbs
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import pikv_hf
+from pikv_hf import PiKVCache
+from pikv_hf.tiny import tiny_model
+
+SHARDS = 8
+
+
+def fill(cache, context: int, gen: torch.Generator) -> None:
+    for layer in range(CONFIG["num_hidden_layers"]):
+        k = torch.randn(1, CONFIG["num_key_value_heads"], context, CONFIG["head_dim"], generator=gen)
+        cache.update(k, torch.randn(k.shape, generator=gen), layer)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def bench_context(model, ref, context: int, args, bandwidth: float) -> dict:
+    gen = torch.Generator().manual_seed(context)
+    hq, hkv, d = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"], CONFIG["head_dim"]
+    query = torch.randn(1, hq, 1, d, generator=gen)
+    new_kv = torch.randn(1, hkv, 1, d, generator=gen)
+    token = torch.tensor([[5]])
+    out = {}
+
+    dyn = DynamicCache()
+    fill(dyn, context, gen)
+    layer0 = dyn.layers[0]
+    attn = ref.model.layers[0].self_attn
+    out["dynamic"] = {
+        "attn_ms": median_ms(
+            lambda: sdpa_attention_forward(attn, query, layer0.keys, layer0.values, None, scaling=d**-0.5),
+            args.repeats,
+        ),
+        "attn_bytes": layer0.keys.nbytes + layer0.values.nbytes,
+    }
+    with torch.no_grad():
+        out["dynamic"]["step_ms"] = median_ms(lambda: ref(token, past_key_values=dyn), args.steps)
+
+    for mode in ("exact", "routed"):
+        kwargs = dict(attention="routed", top_k_shards=SHARDS // 4, n_sink=4, window=64) if mode == "routed" else {}
+        cache = PiKVCache(model, router=args.router, num_shards=SHARDS, **kwargs)
+        fill(cache, context, gen)
+        layer = cache.layers[0]
+        layer.update(new_kv, new_kv, None)  # one decode token; attend() reads the store without changing it
+        attn_ms = median_ms(lambda layer=layer: layer.attend(query, d**-0.5, None, None, None), args.repeats)
+        layer.crop(context)
+        st = layer.store
+        page_bytes = st.page_size * (st.k_dim + st.v_dim) * st.keys.element_size()
+        if mode == "routed":
+            stats = layer.routing_stats
+            pages = stats.pages_gathered / max(1, stats.steps)  # summed over KV heads
+            attn_bytes = int(
+                pages * page_bytes
+            )  # ideal: the selected pages read once (the torch path also copies them)
+        else:
+            attn_bytes = st.kv_nbytes()
+        with torch.no_grad():
+            step_ms = median_ms(lambda cache=cache: model(token, past_key_values=cache), args.steps)
+        out[mode] = {
+            "attn_ms": attn_ms,
+            "attn_bytes": attn_bytes,
+            "step_ms": step_ms,
+        }
+        if mode == "routed":
+            out[mode]["routing"] = cache.routing_stats()["overall"]
+        del cache
+    for mode in ("dynamic", "exact", "routed"):
+        out[mode]["bound_ms"] = out[mode]["attn_bytes"] / (bandwidth * 1e9) * 1e3
+        out[mode]["attn_over_bound"] = out[mode]["attn_ms"] / out[mode]["bound_ms"]
+    out["ratios"] = {
+        "attn_dynamic_over_routed": out["dynamic"]["attn_ms"] / out["routed"]["attn_ms"],
+        "attn_dynamic_over_exact": out["dynamic"]["attn_ms"] / out["exact"]["attn_ms"],
+        "step_dynamic_over_routed": out["dynamic"]["step_ms"] / out["routed"]["step_ms"],
+        "step_dynamic_over_exact": out["dynamic"]["step_ms"] / out["exact"]["step_ms"],
+    }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--steps", type=int, default=8, help="whole-model decode steps timed")
+    parser.add_argument("--repeats", type=int, default=10, help="single-layer attention repeats timed")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--router", default="key_cluster")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed_cpu.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ref = tiny_model("llama", seed=0, **CONFIG)
+    model = tiny_model("llama", seed=0, **CONFIG)
+    bandwidth = read_bandwidth_gbs()
+    print(f"threads {args.threads}, read bandwidth {bandwidth:.1f} GB/s")
+    rows = []
+    for context in args.contexts:
+        row = {"context": context, **bench_context(model, ref, context, args, bandwidth)}
+        rows.append(row)
+        print(
+            f"ctx {context}: "
+            + " | ".join(
+                f"{m} attn {row[m]['attn_ms']:.2f}ms (bound {row[m]['bound_ms']:.2f}) step {row[m]['step_ms']:.1f}ms"
+                for m in ("dynamic", "exact", "routed")
+            )
+            + f" | dynamic/routed attn x{row['ratios']['attn_dynamic_over_routed']:.1f} "
+            f"step x{row['ratios']['step_dynamic_over_routed']:.2f}",
+            flush=True,
+        )
+    result = {
+        "benchmark": "bench_decode",
+        "command": f"python benchmarks/bench_decode.py --contexts {' '.join(map(str, args.contexts))} "
+        f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --router {args.router} "
+        f"--out {args.out}",
+        "machine": {
+            "device": "cpu",
+            "processor": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "read_bandwidth_gbs": bandwidth,
+        },
+        "versions": {"torch": torch.__version__, "pikv_hf": pikv_hf.__version__},
+        "config": {
+            **CONFIG,
+            "dtype": "float32",
+            "batch": 1,
+            "shards": SHARDS,
+            "top_k_shards": SHARDS // 4,
+            "n_sink": 4,
+            "window": 64,
+            "router": args.router,
+            "page_size": 16,
+        },
+        "targets": {
+            "attn_routed_over_bound_max": 2.0,
+            "attn_dynamic_over_routed_min_at_32k": 8.0,
+            "step_dynamic_over_routed_min_at_32k": 2.0,
+            "exact_no_slower_than_dynamic": True,
+        },
+        "results": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
