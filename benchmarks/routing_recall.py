@@ -26,8 +26,6 @@ import pikv_hf
 from pikv_hf import PiKVCache
 from pikv_hf.routing import SELECTORS
 
-SHARDS = 8
-
 
 def essay_ids(tokenizer, n_tokens: int, reverse: bool = False) -> torch.Tensor:
     """``[1, n_tokens]`` ids of the essays concatenated in sorted (or reverse) file order."""
@@ -45,7 +43,7 @@ def essay_ids(tokenizer, n_tokens: int, reverse: bool = False) -> torch.Tensor:
 
 
 def measure(model, ids: torch.Tensor, length: int, placement: str, ks: list[int], args) -> list[dict]:
-    cache = PiKVCache(model, router=placement, num_shards=SHARDS)
+    cache = PiKVCache(model, router=placement, num_shards=args.shards)
     context, continuation = ids[:, :length], ids[:, length : length + args.steps]
     rows = []
     with torch.no_grad():
@@ -69,7 +67,7 @@ def measure(model, ids: torch.Tensor, length: int, placement: str, ks: list[int]
                         "placement": placement,
                         "selector": selector,
                         "k": k,
-                        "k_over_E": k / SHARDS,
+                        "k_over_E": k / args.shards,
                         **stats,
                         "seconds": time.perf_counter() - t0,
                     }
@@ -91,6 +89,13 @@ def main() -> None:
     parser.add_argument("--n-sink", type=int, default=4)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--models", nargs="+", default=["smollm2", "smollm2-moe"])
+    parser.add_argument("--shards", type=int, default=8, help="shards per layer and KV head (E)")
+    parser.add_argument(
+        "--placements",
+        nargs="+",
+        default=["round_robin", "key_cluster", "expert"],
+        help="placements to measure (expert only on the MoE)",
+    )
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/routing_recall_cpu.json"))
     args = parser.parse_args()
@@ -100,15 +105,15 @@ def main() -> None:
 
     dense, tokenizer = load_smollm2()
     ids = essay_ids(tokenizer, args.length + args.steps)
-    ks = [1, 2, 4]  # k/E = 1/8, 1/4, 1/2
+    ks = [args.shards // 8, args.shards // 4, args.shards // 2]  # k/E = 1/8, 1/4, 1/2
     results = []
     for name in args.models:
         if name == "smollm2":
-            model, placements = dense, ["round_robin", "key_cluster"]
+            model = dense
         else:
             calibration = essay_ids(tokenizer, 4096, reverse=True).view(4, 1024)  # essays not in the measured text
-            model, placements = upcycle_to_moe(dense, SHARDS, 2, calibration), ["round_robin", "key_cluster", "expert"]
-        for placement in placements:
+            model = upcycle_to_moe(dense, args.shards, 2, calibration)
+        for placement in [p for p in args.placements if p != "expert" or name != "smollm2"]:
             print(f"{name} / {placement}", flush=True)
             for row in measure(model, ids, args.length, placement, ks, args):
                 results.append({"model": name, **row})
@@ -116,9 +121,10 @@ def main() -> None:
     out = {
         "benchmark": "routing_recall",
         "command": f"python benchmarks/routing_recall.py --length {args.length} --steps {args.steps} "
-        f"--n-sink {args.n_sink} --window {args.window} --threads {args.threads} --out {args.out}",
+        f"--n-sink {args.n_sink} --window {args.window} --shards {args.shards} --models {' '.join(args.models)} "
+        f"--placements {' '.join(args.placements)} --threads {args.threads} --out {args.out}",
         "setting": {
-            "shards": SHARDS,
+            "shards": args.shards,
             "length": args.length,
             "steps": args.steps,
             "n_sink": args.n_sink,

@@ -40,3 +40,19 @@ def test_per_shard_partials_merged_by_lse_match_dynamic_cache(arch):
     out = generate(model, ids, cache)
     assert torch.equal(out_ref.sequences, out.sequences)
     assert max_logit_diff(out_ref.logits, out.logits) < TOL
+
+
+def test_exact_after_kvpress_wrapped_the_pikv_attention():
+    # importing kvpress wraps every registered attention function, "pikv" included (REFERENCE.md section 2)
+    import kvpress  # noqa: F401
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from pikv_hf.attention import pikv_attention
+
+    assert ALL_ATTENTION_FUNCTIONS["pikv"] is not pikv_attention
+    ref, model = model_pair("qwen3_moe")
+    ids = prompt(30)
+    out_ref = generate(ref, ids, DynamicCache())
+    out = generate(model, ids, pikv(model, "expert"))
+    assert torch.equal(out_ref.sequences, out.sequences)
+    assert max_logit_diff(out_ref.logits, out.logits) < TOL

@@ -93,9 +93,27 @@ class RoutingStats:
 
 @dataclass(frozen=True)
 class PagedKV:
-    """What ``PiKVLayer.update`` returns in place of key/value tensors; only the ``pikv`` attention reads it."""
+    """What ``PiKVLayer.update`` returns in place of key/value tensors; only the ``pikv`` attention reads it.
+
+    ``shape`` is ``[B, H_kv, T, D]`` with ``T = seen - evicted`` (the ``kv_length`` of ``get_mask_sizes``), so code
+    that wraps attention functions and inspects sizes, such as kvpress's attention patch, keeps working.
+    """
 
     layer: PiKVLayer
+    kind: str  # "keys" or "values"
+
+    @property
+    def shape(self) -> torch.Size:
+        st, layer = self.layer.store, self.layer
+        dim = st.k_dim if self.kind == "keys" else st.v_dim
+        return torch.Size((st.batch, st.heads, layer.seen - layer.evicted, dim))
+
+    def __setitem__(self, index, value) -> None:
+        raise TypeError(
+            "PiKVCache keeps K/V in pages and cannot take in-place key edits (kvpress head-wise presses such as "
+            "AdaKV write fake keys through masked_key_indices); presses inside PiKVCache arrive with the "
+            "scheduling issue"
+        )
 
 
 class PiKVLayer(CacheLayerMixin):
@@ -211,8 +229,7 @@ class PiKVLayer(CacheLayerMixin):
         self._last_slot = self.store.append(key_states, value_states, shard, token_index)
         self._last_qpos = token_index
         self.seen += q
-        view = PagedKV(self)
-        return view, view
+        return PagedKV(self, "keys"), PagedKV(self, "values")
 
     def attend(
         self,
