@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="whole-model decode steps timed")
     parser.add_argument("--repeats", type=int, default=10, help="single-layer attention repeats timed")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--router", default="key_cluster")
+    parser.add_argument("--router", default="round_robin", help="balanced shards: k/E of the tokens are read")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
