@@ -31,6 +31,32 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_cache.py --out benchmarks/results/cache_exact_cpu.json
 
 # >>> eval targets (owned by the evaluation harness)
+# Results table: kvpress presses x ratios on dense and upcycled-MoE SmolLM2, RULER needle tasks at 2k (resumable).
+EVAL_TABLE_ARGS := --suite ruler --tasks needle --samples 20 --length 2048 \
+	--press none snapkv expected_attention streaming_llm knorm --ratio 0.25 0.5 0.75 --no-progress
+EVAL_RESULTS := eval/results
+.PHONY: eval-table eval-assets eval-smoke test-eval-slow
+
+eval-table: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(EVAL_TABLE_ARGS) --model smollm2 \
+		--out $(EVAL_RESULTS)/ruler2k_smollm2
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(EVAL_TABLE_ARGS) --model smollm2-moe \
+		--out $(EVAL_RESULTS)/ruler2k_smollm2-moe
+	$(PY) eval/make_table.py $(EVAL_RESULTS)/ruler2k_smollm2 $(EVAL_RESULTS)/ruler2k_smollm2-moe \
+		--json $(EVAL_RESULTS)/ruler2k_table.json --png $(EVAL_RESULTS)/ruler2k_table.png
+
+# Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
+eval-assets: $(STAMP)
+	$(PY) -c "from pikv_hf.models import load_smollm2; load_smollm2()"
+
+# Quick end-to-end check on the real model: 2 samples per needle task at 1k, no compression and Knorm 0.25/0.5.
+eval-smoke: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/pikv-hf eval --suite ruler --model smollm2 --samples 2 --length 1024 \
+		--press none knorm --ratio 0.25 0.5 --out $${TMPDIR:-/tmp}/pikv_eval_smoke
+
+# Slow tests of the harness (load the real SmolLM2).
+test-eval-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow tests/test_eval_slow.py tests/test_models_smollm2_slow.py
 # <<< eval targets
 
 clean-venv:

@@ -1,0 +1,76 @@
+"""``pikv-hf eval``: arguments and entry point (heavy imports happen inside :func:`run`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``eval`` sub-command's arguments.
+
+    Parameters
+    ----------
+    parser : argparse.ArgumentParser
+        The sub-parser of ``pikv-hf eval``.
+    """
+    parser.add_argument("--suite", required=True, help="ruler (offline long-context suite) | longbench")
+    parser.add_argument("--model", default="smollm2", help="smollm2 | smollm2-moe | PATH (save_pretrained dir)")
+    parser.add_argument(
+        "--press", nargs="+", default=["none"], help="none and/or kvpress presses (snapkv, expected_attention, ...)"
+    )
+    parser.add_argument("--ratio", nargs="+", type=float, default=[0.5], help="compression ratio(s) in [0, 1)")
+    parser.add_argument("--cache", default="dynamic", help="dynamic (kvpress flow) | pikv (PiKVCache, --press none)")
+    parser.add_argument("--router", default="expert", help="PiKVCache router: round_robin | expert | key_cluster")
+    parser.add_argument("--samples", type=int, default=20, help="samples per task, length, press and ratio")
+    parser.add_argument(
+        "--length", nargs="+", type=int, default=[2048], help="RULER prompt length(s); LongBench truncation length"
+    )
+    parser.add_argument(
+        "--tasks", default=None, help="RULER tasks/groups (needle, all, ...) or LongBench datasets, comma-separated"
+    )
+    parser.add_argument("--longbench-dir", default=None, help="local LongBench JSONL directory (else the hub)")
+    parser.add_argument("--num-experts", type=int, default=8, help="experts of smollm2-moe")
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token of smollm2-moe")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="output directory (resumable)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the evaluation described by ``args`` and print the per-point summary.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        Parsed arguments of ``pikv-hf eval``.
+
+    Returns
+    -------
+    int
+        Process exit status (0).
+    """
+    from pikv_hf.eval.runner import EvalConfig, run_eval
+
+    tasks = args.tasks or ("needle" if args.suite == "ruler" else "all")
+    config = EvalConfig(
+        suite=args.suite,
+        model=args.model,
+        presses=list(args.press),
+        ratios=list(args.ratio),
+        out=args.out,
+        cache=args.cache,
+        router=args.router,
+        samples=args.samples,
+        lengths=list(args.length),
+        tasks=tasks,
+        seed=args.seed,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        longbench_dir=args.longbench_dir,
+    )
+    metrics = run_eval(config, progress=not args.no_progress)
+    for point in metrics["per_point"]:
+        print(json.dumps(point))
+    print(f"wrote {args.out}/metrics.json ({metrics['n_rows']} samples, complete={metrics['complete']})")
+    return 0

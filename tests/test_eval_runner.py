@@ -1,0 +1,205 @@
+"""The evaluation loop on a tiny random Llama: presses, resume, outputs, PiKVCache branch, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.tiny_assets import save_tiny_model_dir, tiny_llama
+
+from pikv_hf.cli import main as cli_main
+from pikv_hf.eval import runner
+from pikv_hf.eval.runner import EvalConfig, PrefillRecord, build_press, prefill, run_eval
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny")))
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+
+
+def _ruler_config(model_dir: str, out: Path, **kw) -> EvalConfig:
+    base = dict(
+        suite="ruler",
+        model=model_dir,
+        presses=["none", "knorm", "streaming_llm"],
+        ratios=[0.25, 0.5],
+        out=str(out),
+        samples=2,
+        lengths=[512],
+        tasks="niah_single_number,variable_tracking",
+    )
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def test_ruler_run_writes_predictions_metrics_plot_and_compresses(model_dir, tmp_path):
+    out = tmp_path / "run"
+    metrics = run_eval(_ruler_config(model_dir, out), progress=False)
+    rows = _rows(out)
+    assert len(rows) == 2 * 2 * (1 + 2 * 2) and metrics["complete"] and metrics["n_rows"] == 20
+    for row in rows:
+        # kvpress keeps int(n * (1 - ratio)) context tokens per head
+        assert row["kept_context_tokens"] == int(row["context_tokens"] * (1 - row["ratio"]))
+        assert 0.0 <= row["score"] <= 1.0 and row["input_tokens"] <= 512
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["query_aware"] is False and saved["seed"] == 0
+    assert saved["versions"]["kvpress"] == "0.5.5" and "commit" in saved["git"]
+    assert saved["arguments"]["presses"] == ["none", "knorm", "streaming_llm"]
+    points = {(p["press"], p["ratio"]): p for p in saved["per_point"]}
+    assert set(points) == {
+        ("none", 0.0),
+        ("knorm", 0.25),
+        ("knorm", 0.5),
+        ("streaming_llm", 0.25),
+        ("streaming_llm", 0.5),
+    }
+    for (press, ratio), point in points.items():
+        mine = [r["score"] for r in rows if r["press"] == press and r["ratio"] == ratio]
+        assert point["n"] == 4 and point["score"] == pytest.approx(100 * sum(mine) / len(mine))
+    png = (out / "score_vs_ratio.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_interrupted_run_resumes_without_redoing_finished_samples(model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    config = _ruler_config(model_dir, out, presses=["none", "knorm"], ratios=[0.5], tasks="niah_single_number")
+    run_eval(config, progress=False)
+    lines = (out / "predictions.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) == 4
+    # simulate a crash: two finished rows and a torn third line
+    (out / "predictions.jsonl").write_text("".join(lines[:2]) + lines[2][:17])
+    calls = []
+    original = runner.answer_from_cache
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "answer_from_cache", counting)
+    run_eval(config, progress=False)
+    assert len(calls) == 2
+    new_lines = (out / "predictions.jsonl").read_text().splitlines(keepends=True)
+    assert new_lines[:2] == lines[:2] and len(new_lines) == 4
+    assert {json.loads(x)["key"] for x in new_lines} == {json.loads(x)["key"] for x in lines}
+    metrics = run_eval(config, progress=False)
+    assert len(calls) == 2  # nothing left to do
+    assert metrics["complete"] and metrics["model_info"]["model_type"] == "llama"  # kept from the earlier run
+
+
+@pytest.mark.parametrize("name", ["snapkv", "knorm", "streaming_llm", "expected_attention", "tova"])
+def test_replayed_prefill_equals_kvpress_own_flow(name):
+    model = tiny_llama(vocab_size=300, seed=3)
+    ids = torch.randint(0, 300, (1, 150), generator=torch.Generator().manual_seed(1))
+    replayed = PrefillRecord(model, ids).compressed_cache(build_press(name, 0.5))
+    real = prefill(model, ids, build_press(name, 0.5))
+    for a, b in zip(replayed.layers, real.layers, strict=True):
+        assert a.keys.shape[-2] == int(150 * 0.5)
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_longbench_run_on_the_jsonl_fixture(model_dir, tmp_path):
+    out = tmp_path / "lb"
+    metrics = run_eval(
+        EvalConfig(
+            suite="longbench",
+            model=model_dir,
+            presses=["none"],
+            ratios=[0.5],
+            out=str(out),
+            samples=5,
+            lengths=[512],
+            tasks="hotpotqa,trec,passage_count,lcc",
+            longbench_dir=str(FIXTURES / "longbench"),
+        ),
+        progress=False,
+    )
+    rows = _rows(out)
+    assert sorted((r["task"], r["index"]) for r in rows) == [
+        ("hotpotqa", 0),
+        ("hotpotqa", 1),
+        ("lcc", 0),
+        ("passage_count", 0),
+        ("trec", 0),
+    ]
+    assert metrics["complete"] and {t["task"]: t["n"] for t in metrics["per_task"]}["hotpotqa"] == 2
+
+
+def test_pikv_cache_branch_matches_dynamic_cache(model_dir, tmp_path):
+    common = dict(presses=["none"], tasks="niah_single_number", samples=2)
+    run_eval(_ruler_config(model_dir, tmp_path / "dyn", **common), progress=False)
+    # a fresh process: importing kvpress wraps every registered attention function, and its wrapper cannot take
+    # PiKVCache's paged keys (reported to the cache's owner); the CLI imports kvpress only when a press is asked for
+    cmd = [
+        sys.executable,
+        "-m",
+        "pikv_hf.cli",
+        "eval",
+        "--suite",
+        "ruler",
+        "--model",
+        model_dir,
+        "--cache",
+        "pikv",
+        "--router",
+        "round_robin",
+        "--press",
+        "none",
+        "--samples",
+        "2",
+        "--length",
+        "512",
+        "--tasks",
+        "niah_single_number",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "pikv"),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    dyn = [r["prediction"] for r in _rows(tmp_path / "dyn")]
+    pikv = [r["prediction"] for r in _rows(tmp_path / "pikv")]
+    assert dyn == pikv and any(dyn)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--suite", "nope"], "suite must be one of"),
+        (["--suite", "ruler", "--press", "nope"], "press must be 'none' or one of"),
+        (["--suite", "ruler", "--model", "no/such/dir"], "model must be one of"),
+        (["--suite", "ruler", "--press", "knorm", "--ratio", "1.0"], r"ratio must be in \[0, 1\), got 1.0"),
+        (["--suite", "ruler", "--press", "knorm", "--ratio", "-0.1"], r"ratio must be in \[0, 1\)"),
+        (["--suite", "ruler", "--press", "snapkv", "--cache", "pikv"], "presses inside PiKVCache arrive with"),
+        (["--suite", "ruler", "--cache", "paged"], "cache must be one of"),
+        (["--suite", "ruler", "--samples", "0"], "samples must be >= 1"),
+        (["--suite", "ruler", "--tasks", "nope"], "unknown RULER task 'nope'"),
+        (
+            ["--suite", "longbench", "--longbench-dir", str(FIXTURES / "longbench_broken"), "--tasks", "hotpotqa"],
+            r"missing field\(s\) \['answers'\]",
+        ),
+    ],
+)
+def test_bad_input_fails_clearly_before_writing(tmp_path, args, message):
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match=message):
+        cli_main(["eval", *args, "--out", str(out)])
+    assert not out.exists()
+
+
+def test_output_directory_of_another_configuration_is_refused(model_dir, tmp_path):
+    out = tmp_path / "run"
+    config = _ruler_config(model_dir, out, presses=["none"], tasks="niah_single_number", samples=1)
+    run_eval(config, progress=False)
+    with pytest.raises(ValueError, match="holds results of another configuration"):
+        run_eval(_ruler_config(model_dir, out, presses=["none"], tasks="niah_single_number", samples=1, seed=1))
