@@ -42,7 +42,6 @@ def greedy_decode(model, ids: torch.Tensor, cache, new_tokens: int) -> tuple[tor
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     overrides = dict(DEMO_OVERRIDES)
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         if key in TINY_ARCHS[args.arch]:
@@ -53,7 +52,8 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         f"model: tiny {args.arch} from config (seed {args.seed}), {cfg.num_hidden_layers} layers, "
         f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, "
-        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, fp32, CPU"
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, fp32, CPU, "
+        f"{torch.get_num_threads()} thread(s)"
     )
     ids = torch.randint(3, cfg.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
 
