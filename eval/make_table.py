@@ -92,7 +92,7 @@ def plot_table(table: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("needle score (%)")
     axes[0][0].set_ylim(-2, 102)
-    axes[0][-1].legend(fontsize=8, loc="lower left", framealpha=0.8)
+    axes[0][-1].legend(fontsize=8, loc="center right", framealpha=0.8)
     fig.suptitle(f"RULER-style {', '.join(table['tasks'])} at {table['lengths']} tokens, query-agnostic", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -21,7 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ratio", nargs="+", type=float, default=[0.5], help="compression ratio(s) in [0, 1)")
     parser.add_argument("--cache", default="dynamic", help="dynamic (kvpress flow) | pikv (PiKVCache, --press none)")
-    parser.add_argument("--router", default="expert", help="PiKVCache router: round_robin | expert | key_cluster")
+    parser.add_argument(
+        "--router", default="round_robin", help="PiKVCache router: round_robin | expert (MoE only) | key_cluster"
+    )
     parser.add_argument("--samples", type=int, default=20, help="samples per task, length, press and ratio")
     parser.add_argument(
         "--length", nargs="+", type=int, default=[2048], help="RULER prompt length(s); LongBench truncation length"

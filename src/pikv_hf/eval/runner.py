@@ -78,7 +78,7 @@ class EvalConfig:
     ratios: list[float]
     out: str
     cache: str = "dynamic"
-    router: str = "expert"
+    router: str = "round_robin"
     samples: int = 20
     lengths: list[int] = field(default_factory=lambda: [2048])
     tasks: str = "needle"
@@ -591,7 +591,7 @@ def plot_score_vs_ratio(per_point: list[dict], path: str | os.PathLike, title: s
     ax.set_ylim(-2, 102)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left", framealpha=0.8)
+    ax.legend(fontsize=8, loc="center right", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
