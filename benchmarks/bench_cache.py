@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import DynamicCache
 
 import pikv_hf
@@ -42,6 +43,23 @@ def read_bandwidth_gbs(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     x.sum()
     best = min(_timed(x.sum) for _ in range(repeats))
     return n_bytes / best / 1e9
+
+
+def run_metadata(threads: int, bandwidth_gbs: float) -> dict:
+    """The ``machine`` and ``versions`` entries every benchmark JSON carries."""
+    return {
+        "machine": {
+            "device": "cpu",
+            "processor": platform.processor() or platform.machine(),
+            "threads": threads,
+            "read_bandwidth_gbs": bandwidth_gbs,
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "pikv_hf": pikv_hf.__version__,
+        },
+    }
 
 
 def _timed(fn) -> float:
@@ -136,17 +154,7 @@ def main() -> None:
                 f"--out {args.out}",
             ]
         ),
-        "machine": {
-            "device": "cpu",
-            "processor": platform.processor() or platform.machine(),
-            "threads": args.threads,
-            "read_bandwidth_gbs": bandwidth,
-        },
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__,
-            "pikv_hf": pikv_hf.__version__,
-        },
+        **run_metadata(args.threads, bandwidth),
         "config": {**CONFIG, "dtype": "float32", "batch": 1, "router": args.router, "page_size": 16},
         "targets": {"decode_ratio_max": 1.5, "kv_bytes_ratio_max": 1.05},
         "results": rows,

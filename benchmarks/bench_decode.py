@@ -21,17 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from bench_cache import CONFIG, read_bandwidth_gbs
+from bench_cache import CONFIG, read_bandwidth_gbs, run_metadata
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-import pikv_hf
 from pikv_hf import PiKVCache
 from pikv_hf.tiny import tiny_model
 
@@ -149,13 +147,7 @@ def main() -> None:
         "command": f"python benchmarks/bench_decode.py --contexts {' '.join(map(str, args.contexts))} "
         f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --router {args.router} "
         f"--out {args.out}",
-        "machine": {
-            "device": "cpu",
-            "processor": platform.processor() or platform.machine(),
-            "threads": args.threads,
-            "read_bandwidth_gbs": bandwidth,
-        },
-        "versions": {"torch": torch.__version__, "pikv_hf": pikv_hf.__version__},
+        **run_metadata(args.threads, bandwidth),
         "config": {
             **CONFIG,
             "dtype": "float32",

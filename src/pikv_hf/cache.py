@@ -414,6 +414,7 @@ class PiKVLayer(CacheLayerMixin):
 
     def _index_batch(self, index: torch.Tensor) -> None:
         if self.store is not None:
+            index = index.to(self.device)
             self.store.index_batch(index)
             self.placement.index_batch(index)
             self._last_slot = None if self._last_slot is None else self._last_slot.index_select(0, index)
@@ -421,7 +422,7 @@ class PiKVLayer(CacheLayerMixin):
             self.shard_evicted = None if self.shard_evicted is None else self.shard_evicted.index_select(0, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._index_batch(beam_idx.to(self.device) if self.store is not None else beam_idx)
+        self._index_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
@@ -564,7 +565,7 @@ class PiKVCache(Cache):
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         if not isinstance(shard_groups, int) or not 1 <= shard_groups <= num_shards:
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
-        routed_settings(num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
+        routed = routed_settings(num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
         tap = _expert_tap(model) if router == "expert" else None
@@ -579,8 +580,7 @@ class PiKVCache(Cache):
         self.router = router
         self.num_shards = num_shards
         self.page_size = page_size
-        self.routed: RoutedAttention | None = None
-        self.set_attention(attention, top_k_shards, selector, n_sink, window, measure_recall)
+        self._apply_routed(routed)
 
     def set_attention(
         self,
@@ -595,7 +595,11 @@ class PiKVCache(Cache):
 
         Stored tokens are kept; selectors and routing statistics start fresh. Raises before changing anything.
         """
-        routed = routed_settings(self.num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
+        self._apply_routed(
+            routed_settings(self.num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
+        )
+
+    def _apply_routed(self, routed: RoutedAttention | None) -> None:
         self.routed = routed
         for layer in self.layers:
             layer.set_routed(routed)

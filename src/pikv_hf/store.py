@@ -81,11 +81,7 @@ class PagedShardStore:
         self.n_pages = torch.zeros(b, h, dtype=torch.int64, device=dev)
         self.open_page = torch.full((b, h, self.num_shards), -1, dtype=torch.int64, device=dev)
         self.open_fill = torch.zeros(b, h, self.num_shards, dtype=torch.int64, device=dev)
-        s = self.num_shards
-        self.shard_sum = torch.zeros(b, h, s, self.k_dim, dtype=torch.float32, device=dev)
-        self.shard_count = torch.zeros(b, h, s, dtype=torch.int64, device=dev)
-        self.shard_min = torch.full((b, h, s, self.k_dim), float("inf"), device=dev)
-        self.shard_max = torch.full((b, h, s, self.k_dim), float("-inf"), device=dev)
+        self._reset_summaries()
 
     @property
     def batch(self) -> int:
@@ -195,14 +191,17 @@ class PagedShardStore:
         self.shard_min.scatter_reduce_(2, idx, lo, "amin")
         self.shard_max.scatter_reduce_(2, idx, hi, "amax")
 
+    def _reset_summaries(self) -> None:
+        """Empty shard summaries for the current batch and heads."""
+        shape = (self.batch, self.heads, self.num_shards)
+        self.shard_sum = torch.zeros(*shape, self.k_dim, device=self.device)
+        self.shard_count = torch.zeros(shape, dtype=torch.int64, device=self.device)
+        self.shard_min = torch.full((*shape, self.k_dim), float("inf"), device=self.device)
+        self.shard_max = torch.full((*shape, self.k_dim), float("-inf"), device=self.device)
+
     def rebuild_summaries(self) -> None:
         """Recompute the shard summaries from the valid slots (after slots were invalidated)."""
-        s = self.num_shards
-        b, h = self.batch, self.heads
-        self.shard_sum = torch.zeros(b, h, s, self.k_dim, device=self.device)
-        self.shard_count = torch.zeros(b, h, s, dtype=torch.int64, device=self.device)
-        self.shard_min = torch.full((b, h, s, self.k_dim), float("inf"), device=self.device)
-        self.shard_max = torch.full((b, h, s, self.k_dim), float("-inf"), device=self.device)
+        self._reset_summaries()
         shard = self.slot_shard().clamp(min=0)
         count = torch.zeros_like(self.shard_count).scatter_add_(2, shard, self.valid.long())
         self._add_to_summaries(self.keys, shard, count, self.valid)
