@@ -7,7 +7,7 @@ Per configuration the context (``--length`` tokens) is prefilled exactly once pe
 ``--steps`` real continuation tokens are fed one by one (teacher forcing) in routed mode with
 ``measure_recall=True``: every decode step, layer and KV head records the fraction of exact attention's
 probability mass on the tokens routed attention keeps (selected shards + ``n_sink`` sinks + ``window`` recent),
-and the fraction of stored tokens / pages it read. The cache is cropped back to the context between runs.
+and the fraction of stored tokens / pages it read. Every run decodes from its own ``fork()`` of the prefilled cache.
 Query-aware in the decode sense: each step selects with that step's own query.
 
     python benchmarks/routing_recall.py --length 2048 --out benchmarks/results/routing_recall_cpu.json
@@ -45,40 +45,42 @@ def essay_ids(tokenizer, n_tokens: int, reverse: bool = False) -> torch.Tensor:
 def measure(model, ids: torch.Tensor, length: int, placement: str, ks: list[int], args) -> list[dict]:
     cache = PiKVCache(model, router=placement, num_shards=args.shards)
     context, continuation = ids[:, :length], ids[:, length : length + args.steps]
+    common = {"n_sink": args.n_sink, "window": args.window, "measure_recall": True}
+    # (selector, k, settings): every selector at every k, then Quest's page selection at the same k/E as read fraction
+    kwargs = {} if args.score == "centroid" else {"score": args.score}
+    runs = [
+        (sel, k, dict(attention="routed", top_k_shards=k, selector=sel, selector_kwargs=kwargs))
+        for sel in args.selectors
+        for k in ks
+    ]
+    if args.quest:
+        runs += [("quest", k, dict(attention="quest", read_fraction=k / args.shards)) for k in ks]
     rows = []
     with torch.no_grad():
         model(context, past_key_values=cache)
-        for selector in sorted(SELECTORS):
-            for k in ks:
-                cache.set_attention(
-                    "routed",
-                    top_k_shards=k,
-                    selector=selector,
-                    n_sink=args.n_sink,
-                    window=args.window,
-                    measure_recall=True,
-                )
-                t0 = time.perf_counter()
-                for i in range(continuation.shape[1]):
-                    model(continuation[:, i : i + 1], past_key_values=cache)
-                stats = cache.routing_stats()["overall"]
-                rows.append(
-                    {
-                        "placement": placement,
-                        "selector": selector,
-                        "k": k,
-                        "k_over_E": k / args.shards,
-                        **stats,
-                        "seconds": time.perf_counter() - t0,
-                    }
-                )
-                print(
-                    f"  {placement:>11} {selector:>13} k={k}: recall {stats['recall']:.3f}  tokens read "
-                    f"{stats['fraction_tokens_attended']:.3f}  pages read {stats['fraction_pages_read']:.3f}",
-                    flush=True,
-                )
-                cache.crop(length)
-        cache.set_attention("exact")
+        for selector, k, settings in runs:
+            run = cache.fork()  # every run starts from the same prefilled state
+            run.set_attention(**settings, **common)
+            t0 = time.perf_counter()
+            for i in range(continuation.shape[1]):
+                model(continuation[:, i : i + 1], past_key_values=run)
+            stats = run.routing_stats()["overall"]
+            rows.append(
+                {
+                    "placement": placement,
+                    "selector": selector,
+                    "k": k,
+                    "k_over_E": k / args.shards,
+                    "score": args.score if selector != "quest" else "bound (per page)",
+                    **stats,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
+            print(
+                f"  {placement:>11} {selector:>13} k={k}: recall {stats['recall']:.3f}  tokens read "
+                f"{stats['fraction_tokens_attended']:.3f}  pages read {stats['fraction_pages_read']:.3f}",
+                flush=True,
+            )
     return rows
 
 
@@ -96,6 +98,9 @@ def main() -> None:
         default=["round_robin", "key_cluster", "expert"],
         help="placements to measure (expert only on the MoE)",
     )
+    parser.add_argument("--selectors", nargs="+", default=sorted(SELECTORS), help="selection routers to measure")
+    parser.add_argument("--score", default="centroid", help="shard score of the selectors: centroid | bound")
+    parser.add_argument("--quest", action="store_true", help="also Quest per-page selection at read fraction k/E")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/routing_recall_cpu.json"))
     args = parser.parse_args()
@@ -122,7 +127,8 @@ def main() -> None:
         "benchmark": "routing_recall",
         "command": f"python benchmarks/routing_recall.py --length {args.length} --steps {args.steps} "
         f"--n-sink {args.n_sink} --window {args.window} --shards {args.shards} --models {' '.join(args.models)} "
-        f"--placements {' '.join(args.placements)} --threads {args.threads} --out {args.out}",
+        f"--placements {' '.join(args.placements)} --selectors {' '.join(args.selectors)} --score {args.score}"
+        f"{' --quest' if args.quest else ''} --threads {args.threads} --out {args.out}",
         "setting": {
             "shards": args.shards,
             "length": args.length,
@@ -152,7 +158,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         for placement in sorted({r["placement"] for r in rows if r["model"] == model}):
-            for selector in sorted(SELECTORS):
+            for selector in sorted({r["selector"] for r in rows}):
                 pts = sorted(
                     (r["fraction_tokens_attended"], r["recall"])
                     for r in rows

@@ -155,6 +155,11 @@ def test_pikv_cache_branch_matches_dynamic_cache(model_dir, tmp_path):
         "round_robin",
         "--press",
         "none",
+        "pikv_routed",
+        "pikv_quest",
+        "--ratio",
+        "0",
+        "0.75",
         "--samples",
         "2",
         "--length",
@@ -168,8 +173,23 @@ def test_pikv_cache_branch_matches_dynamic_cache(model_dir, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     dyn = [r["prediction"] for r in _rows(tmp_path / "dyn")]
-    pikv = [r["prediction"] for r in _rows(tmp_path / "pikv")]
-    assert dyn == pikv and any(dyn)
+    rows = _rows(tmp_path / "pikv")
+    by_point = {(p, r): [row for row in rows if (row["press"], row["ratio"]) == (p, r)] for p, r in _points(rows)}
+    # exact mode, and routed / Quest reading every page (ratio 0), answer exactly as DynamicCache does
+    for point in [("none", 0.0), ("pikv_routed", 0.0), ("pikv_quest", 0.0)]:
+        assert [r["prediction"] for r in by_point[point]] == dyn and any(dyn), point
+    for point in [("pikv_routed", 0.0), ("pikv_quest", 0.0)]:
+        assert all(r["fraction_pages_read"] == 1.0 for r in by_point[point])
+    # skipping 3/4: Quest reads ceil(pages / 4) per step (sink and window pages included), routed 2 of 8 shards
+    # plus the sink and window pages
+    assert all(0.25 <= r["fraction_pages_read"] < 0.3 for r in by_point[("pikv_quest", 0.75)])
+    assert all(r["fraction_tokens_attended"] < 0.6 for r in by_point[("pikv_routed", 0.75)])
+    metrics = json.loads((tmp_path / "pikv" / "metrics.json").read_text())
+    assert metrics["query_aware"] is True and metrics["complete"]
+
+
+def _points(rows):
+    return sorted({(r["press"], r["ratio"]) for r in rows})
 
 
 @pytest.mark.parametrize(
@@ -181,6 +201,12 @@ def test_pikv_cache_branch_matches_dynamic_cache(model_dir, tmp_path):
         (["--suite", "ruler", "--press", "knorm", "--ratio", "1.0"], r"ratio must be in \[0, 1\), got 1.0"),
         (["--suite", "ruler", "--press", "knorm", "--ratio", "-0.1"], r"ratio must be in \[0, 1\)"),
         (["--suite", "ruler", "--press", "snapkv", "--cache", "pikv"], "presses inside PiKVCache arrive with"),
+        (["--suite", "ruler", "--press", "pikv_routed"], "is a PiKVCache attention mode: it needs --cache pikv"),
+        (
+            ["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--ratio", "0.3"],
+            "must skip a whole number of the 8 shards",
+        ),
+        (["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--selector", "x"], "selector must be"),
         (["--suite", "ruler", "--cache", "paged"], "cache must be one of"),
         (["--suite", "ruler", "--samples", "0"], "samples must be >= 1"),
         (["--suite", "ruler", "--tasks", "nope"], "unknown RULER task 'nope'"),

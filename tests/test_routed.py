@@ -30,30 +30,33 @@ def _shards(model):
     return PiKVCache(model.config).num_shards
 
 
-def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
-    gen = torch.Generator().manual_seed(0)
-    b, h, g, t, d, s, k, n_sink, window = 2, 2, 3, 70, 16, 6, 2, 3, 5
-    cache = PiKVCache(
-        tiny_config("llama", num_attention_heads=h * g, num_key_value_heads=h, head_dim=d),
-        router="key_cluster",
-        num_shards=s,
-        page_size=4,
-        attention="routed",
-        top_k_shards=k,
-        n_sink=n_sink,
-        window=window,
-        measure_recall=True,
-    )
-    keys, values = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
-    cache.update(keys, values, 0)
-    new_k, new_v = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
-    view, _ = cache.update(new_k, new_v, 0)
-    layer = view.layer
-    query = torch.randn(b, h * g, 1, d, generator=gen)
-    out = layer.attend(query, d**-0.5, None, None, None)
+B, H, G, T, D, PAGE = 2, 2, 3, 70, 16, 4  # batch, KV heads, query heads per KV head, context, head dim, page size
 
-    all_k, all_v = torch.cat([keys, new_k], 2), torch.cat([values, new_v], 2)
-    store = layer.store
+
+def _one_decode_step(seed, **cache_kwargs):
+    """A layer-0 cache filled with ``T`` random tokens, then one decode step: (cache, all keys, all values,
+    query, routed output)."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = PiKVCache(
+        tiny_config("llama", num_attention_heads=H * G, num_key_value_heads=H, head_dim=D),
+        page_size=PAGE,
+        measure_recall=True,
+        **cache_kwargs,
+    )
+    keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
+    cache.update(keys[:, :, :T], values[:, :, :T], 0)
+    view, _ = cache.update(keys[:, :, T:], values[:, :, T:], 0)
+    query = torch.randn(B, H * G, 1, D, generator=gen)
+    return cache, keys, values, query, view.layer.attend(query, D**-0.5, None, None, None)
+
+
+def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
+    b, h, g, t, d = B, H, G, T, D
+    s, k, n_sink, window = 6, 2, 3, 5
+    cache, all_k, all_v, query, out = _one_decode_step(
+        0, router="key_cluster", num_shards=s, attention="routed", top_k_shards=k, n_sink=n_sink, window=window
+    )
+    store = cache.layers[0].store
     shard_of = torch.empty(b, h, t + 1, dtype=torch.long)  # shard of every token, read back from the store
     for bi in range(b):
         for hi in range(h):
@@ -87,9 +90,14 @@ def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
         (dict(top_k_shards=0), "top_k_shards must be an integer in \\[1, num_shards=4\\]"),
         (dict(top_k_shards=None), "top_k_shards must be an integer"),
         (dict(top_k_shards=2, selector="oracle"), "selector must be one of"),
+        (dict(top_k_shards=2, selector="adaptive", selector_kwargs={"score": "bound"}), "do not fit selector"),
         (dict(top_k_shards=2, n_sink=-1), "n_sink must be an integer >= 0"),
         (dict(top_k_shards=2, window=0), "window must be an integer >= 1"),
-        (dict(attention="sparse"), "attention must be 'exact' or 'routed'"),
+        (dict(attention="sparse"), "attention must be one of exact, routed, quest"),
+        (dict(attention="quest"), "read_fraction must be a number in \\(0, 1\\]"),
+        (dict(attention="quest", read_fraction=0.0), "read_fraction must be a number in \\(0, 1\\]"),
+        (dict(attention="quest", read_fraction=1.5), "read_fraction must be a number in \\(0, 1\\]"),
+        (dict(attention="quest", read_fraction=0.5, window=0), "window must be an integer >= 1"),
     ],
 )
 def test_bad_routed_arguments(kwargs, message):
@@ -106,8 +114,76 @@ def test_set_attention_switches_a_filled_cache_and_rejects_bad_input_first():
         with pytest.raises(ValueError, match="top_k_shards must be an integer in \\[1, num_shards=4\\]"):
             cache.set_attention("routed", top_k_shards=9)
         assert cache.routed is None and all(layer.routed is None for layer in cache.layers)
-        cache.set_attention("routed", top_k_shards=1, n_sink=0, window=1)
+        cache.set_attention("routed", top_k_shards=1, n_sink=0, window=1, selector_kwargs={"score": "bound"})
+        assert all(layer.selector.score == "bound" for layer in cache.layers)
         model(prompt(1, seed=3), past_key_values=cache)
     stats = cache.routing_stats()
     assert stats["overall"]["steps"] == len(cache.layers) == len(stats["per_layer"])
     assert stats["overall"]["fraction_tokens_attended"] < 0.5
+
+
+@pytest.mark.parametrize(("arch", "router"), [("llama", "key_cluster"), ("gpt_oss", "expert"), ("mixtral", "hash")])
+def test_quest_reading_every_page_equals_exact_mode(arch, router):
+    ref, model = model_pair(arch)
+    ids = prompt(41)
+    out_ref = generate(ref, ids, DynamicCache())
+    cache = pikv(model, router, attention="quest", read_fraction=1.0, n_sink=2, window=3)
+    out = generate(model, ids, cache)
+    assert torch.equal(out_ref.sequences, out.sequences)
+    assert max_logit_diff(out_ref.logits, out.logits) < 1e-5
+    assert cache.routing_stats()["overall"]["fraction_pages_read"] == 1.0
+
+
+def test_quest_step_reads_the_pages_of_largest_bound_plus_sink_and_window_pages():
+    b, h, g, t, d = B, H, G, T, D
+    n_sink, window, frac, p = 3, 5, 0.4, PAGE
+    cache, all_k, all_v, query, out = _one_decode_step(
+        1, router="round_robin", num_shards=3, attention="quest", read_fraction=frac, n_sink=n_sink, window=window
+    )
+    st = cache.layers[0].store
+    n_pages = -(-(t + 1) // p)  # round robin gives whole pages in position order across shards
+    budget = -(-n_pages * frac // 1)
+    recalls = []
+    for bi in range(b):
+        for hi in range(h):
+            # independent Quest: per page of the store, bound = max_g sum_d max(q_d min_d, q_d max_d)
+            v, pos = st.valid[bi, hi], st.pos[bi, hi].long()
+            page_of = torch.full((t + 1,), -1)
+            page_of[pos[v]] = torch.arange(st.valid.shape[-1])[v] // p
+            qs = query[bi, hi * g : (hi + 1) * g, 0]
+            scores = {}
+            for pg in page_of.unique().tolist():
+                members = all_k[bi, hi][page_of == pg]
+                lo, hi_ = members.amin(0), members.amax(0)
+                bound = torch.maximum(qs * lo, qs * hi_).sum(-1).amax()
+                at = torch.arange(t + 1)[page_of == pg]
+                special = bool(((at < n_sink) | (at > t - window)).any())
+                scores[pg] = float("inf") if special else float(bound)
+            ranked = sorted(scores, key=lambda pg: (-scores[pg], pg))[: int(budget)]
+            keep = torch.isin(page_of, torch.tensor(ranked)) | (torch.arange(t + 1) > t - window)
+            for gi in range(g):
+                logits = (all_k[bi, hi] @ query[bi, hi * g + gi, 0]) * d**-0.5
+                expected = logits.masked_fill(~keep, float("-inf")).softmax(-1) @ all_v[bi, hi]
+                assert (out[bi, 0, hi * g + gi] - expected).abs().max() < 1e-5
+                recalls.append(logits.softmax(-1)[keep].sum())
+    stats = cache.routing_stats()["overall"]
+    assert stats["fraction_pages_read"] == budget / n_pages
+    assert abs(stats["recall"] - torch.stack(recalls).mean().item()) < 1e-5
+
+
+def test_fork_is_independent_and_decodes_like_the_original():
+    _, model = model_pair("mixtral")
+    cache = pikv(model, "expert")
+    nxt = prompt(1, seed=3)
+    with torch.no_grad():
+        model(prompt(30), past_key_values=cache)
+        fork = cache.fork()
+        fork.set_attention("routed", top_k_shards=1, n_sink=1, window=2)
+        routed = model(nxt, past_key_values=fork).logits
+        assert cache.get_seq_length() == 30 and fork.get_seq_length() == 31 and cache.routed is None
+        assert fork.layers[1].placement.tap is cache.layers[1].placement.tap
+        exact = model(nxt, past_key_values=cache).logits
+        again = cache.fork()
+        again.crop(30)
+        assert torch.equal(model(nxt, past_key_values=again).logits, exact)
+    assert not torch.allclose(routed, exact, atol=1e-6)

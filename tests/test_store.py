@@ -117,3 +117,41 @@ def test_shard_summaries_follow_appends_invalidation_and_compaction():
     slots = torch.cat([first, second], 2)
     store.compact(torch.zeros_like(store.valid).scatter_(2, slots, keep))
     check(keep)
+
+
+def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing():
+    g = torch.Generator().manual_seed(3)
+    b, h, p, s, d = 2, 2, 4, 3, 5
+    store = PagedShardStore(b, h, d, d, s, p, torch.float32, torch.device("cpu"))
+    shard = torch.randint(0, s, (b, h, 30), generator=g)
+    k = torch.randn(b, h, 30, d, generator=g)
+    store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12))
+    store.enable_page_bounds()  # computed from what is stored, then maintained
+    more = store.append(k[:, :, 12:20], k[:, :, 12:20], shard[:, :, 12:20], torch.arange(12, 20))
+    pad = torch.ones(b, 8, dtype=torch.bool)
+    pad[1, :3] = False
+    store.invalidate(more, pad)
+    store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
+
+    def check():
+        # independent: every page's min / max over the keys of its valid slots, read slot by slot
+        lo, hi, count = store.page_bounds()
+        for bi in range(store.batch):
+            for hi_ in range(h):
+                for page in range(store.capacity_pages):
+                    sl = slice(page * p, (page + 1) * p)
+                    keys = store.keys[bi, hi_, sl][store.valid[bi, hi_, sl]]
+                    assert count[bi, hi_, page] == keys.shape[0]
+                    if keys.shape[0]:
+                        assert torch.equal(lo[bi, hi_, page], keys.amin(0))
+                        assert torch.equal(hi[bi, hi_, page], keys.amax(0))
+
+    check()
+    assert int(store.valid.sum()) == b * h * 30 - 3 * h
+    keep = store.valid.clone()
+    keep[0, 1, :7] = False
+    store.compact(keep)
+    check()
+    store.index_batch(torch.tensor([1, 1, 0]))
+    check()
+    assert store.meta_nbytes() >= 2 * store.page_min.numel() * 4

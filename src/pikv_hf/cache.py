@@ -11,7 +11,8 @@ Data flow of one forward (see docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pikv_hf.attention import ATTN_IMPLEMENTATION, allowed_mask, masked_attention
 from pikv_hf.routing import (
-    SELECTORS,
     ExpertTap,
     Placement,
     PlacementContext,
@@ -31,26 +31,38 @@ from pikv_hf.routing import (
     make_placement,
     make_selector,
 )
+from pikv_hf.routing.base import ShardSummary
 from pikv_hf.routing.expert import num_experts_of
+from pikv_hf.routing.scores import upper_bounds
 from pikv_hf.store import PagedShardStore
 
 DEFAULT_DENSE_SHARDS = 8
+ATTENTION_MODES = ("exact", "routed", "quest")
 
 
 @dataclass(frozen=True)
 class RoutedAttention:
-    """Settings of routed decode attention (PiKV Routing).
+    """Settings of routed decode attention (PiKV Routing) and of its Quest-style page baseline.
 
     At decode time (one new token per row) each query attends, per batch row and KV head, only to the tokens of
     its ``top_k_shards`` selected shards, plus always the first ``n_sink`` positions and its last ``window``
     positions. Prefill stays exact.
 
+    With ``read_fraction`` set instead (``attention="quest"``), selection is per page rather than per shard, as in
+    Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024): every
+    (row, KV head) reads ``ceil(read_fraction * pages stored)`` pages, the pages holding sink or recent-window
+    tokens first, then the pages with the largest upper bound of ``q . k`` from per-page key min / max (max over
+    the KV head's query heads). Every token of a page read is attended.
+
     Attributes
     ----------
-    top_k_shards : int
-        Shards selected per query, in ``[1, num_shards]``.
+    top_k_shards : int or None
+        Shards selected per query, in ``[1, num_shards]`` (None in page mode).
     selector : str
-        Selection router (``pikv_hf.routing.SELECTORS``).
+        Selection router (``pikv_hf.routing.SELECTORS``); unused in page mode.
+    selector_kwargs : dict
+        Constructor arguments of the selector, e.g. ``{"score": "bound"}`` to rank shards by Quest's key min / max
+        bound instead of the centroid.
     n_sink, window : int
         Always-kept first positions and recent window.
     measure_recall : bool
@@ -58,14 +70,18 @@ class RoutedAttention:
         routed tokens hold (slow: for measurements).
     reward_every : int
         Learning selectors (``adaptive``) get that recall as reward every ``reward_every`` routed steps.
+    read_fraction : float or None
+        Page mode (Quest): fraction of each (row, KV head)'s stored pages read per decode step, in ``(0, 1]``.
     """
 
-    top_k_shards: int
+    top_k_shards: int | None
     selector: str = "topk"
     n_sink: int = 4
     window: int = 64
     measure_recall: bool = False
     reward_every: int = 16
+    read_fraction: float | None = None
+    selector_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -167,7 +183,8 @@ class PiKVLayer(CacheLayerMixin):
     def set_routed(self, routed: RoutedAttention | None) -> None:
         """Use routed decode attention with these settings (None: exact); fresh selector and statistics."""
         self.routed = routed
-        self.selector = make_selector(routed.selector) if routed is not None else None
+        shards = routed is not None and routed.read_fraction is None
+        self.selector = make_selector(routed.selector, **routed.selector_kwargs) if shards else None
         self.routing_stats = RoutingStats()
 
     # ------------------------------------------------------------------ CacheLayerMixin contract
@@ -276,31 +293,28 @@ class PiKVLayer(CacheLayerMixin):
     def _attend_routed(
         self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        """Routed decode attention: selected shards + sinks + recent window, read page by page."""
+        """Routed decode attention: selected shards (or Quest pages) + sinks + recent window, read page by page."""
         st, cfg = self.store, self.routed
         b, hq, q, dk = query.shape
-        h, s, p = st.heads, self.num_shards, self.page_size
-        if self.misses is None or self.misses.shape[:2] != (b, h):
-            self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=st.device)
+        h, p = st.heads, self.page_size
         qg = query.reshape(b, h, hq // h * q, dk)
-        summary = st.summary(self.misses)
-        selected = self.selector.select(qg, summary, cfg.top_k_shards)  # [B, H, k]
-        chosen_shard = torch.zeros(b, h, s, dtype=torch.bool, device=st.device).scatter_(2, selected, True)
-        if self.shard_evicted is not None:
-            self.misses += (chosen_shard & (self.shard_evicted > 0)).long()
         qpos = self._last_qpos
-        # pages to read: pages of selected shards, and pages holding sink or recent-window tokens
+        # pages holding sink or recent-window tokens are always read
         posp = st.pos.view(b, h, -1, p)
-        special = st.valid.view(b, h, -1, p) & ((posp < cfg.n_sink) | (posp > int(qpos[0]) - cfg.window))
-        in_shard = chosen_shard.gather(2, st.page_shard.clamp(min=0)) & (st.page_shard >= 0)
-        need = in_shard | special.any(-1)  # [B, H, NP]
+        special = (st.valid.view(b, h, -1, p) & ((posp < cfg.n_sink) | (posp > int(qpos[0]) - cfg.window))).any(-1)
+        if cfg.read_fraction is None:
+            summary, selected, chosen_shard, need = self._select_shards(qg, special)
+            # a slot is attended if its shard was selected or it is a sink (or it lies in the window)
+            chosen = chosen_shard.gather(2, st.slot_shard().clamp(min=0)) | (st.pos < cfg.n_sink)
+        else:
+            need = self._select_pages(qg, special)
+            chosen = need.repeat_interleave(p, dim=-1)  # Quest attends to every token of a page it reads
         n_read = need.sum(-1)
-        n = int(n_read.max())
-        pages = torch.argsort((~need).to(torch.uint8), dim=-1, stable=True)[..., :n]
+        pages = torch.argsort((~need).to(torch.uint8), dim=-1, stable=True)[..., : int(n_read.max())]
         part = st.gather_pages(pages)
+        slots = (pages.unsqueeze(-1) * p + torch.arange(p, device=pages.device)).flatten(2)
         valid = part["valid"] & need.gather(2, pages).repeat_interleave(p, dim=-1)
-        chosen = chosen_shard.gather(2, part["shard"].clamp(min=0)) | (part["pos"] < cfg.n_sink)
-        routed = (chosen, cfg.window)
+        routed = (chosen.gather(2, slots), cfg.window)
         out = masked_attention(
             query, part["keys"], part["values"], valid, part["pos"], qpos, scale, sliding_window, sinks, routed=routed
         )
@@ -312,14 +326,55 @@ class PiKVLayer(CacheLayerMixin):
         stats.tokens_stored += int(st.valid.sum())
         stats.pages_gathered += int(n_read.sum())
         stats.pages_stored += int(st.n_pages.sum())
-        learn = self.selector.update is not Selector.update and stats.steps % cfg.reward_every == 0
+        learn = (
+            cfg.read_fraction is None
+            and self.selector.update is not Selector.update
+            and stats.steps % cfg.reward_every == 0
+        )
         if cfg.measure_recall or learn:
-            recall = self._recall(query, scale, sliding_window, sinks, chosen_shard)
+            recall = self._recall(query, scale, sliding_window, sinks, chosen)
             stats.recall_sum += float(recall.sum())
             stats.recall_heads += recall.numel()
             if learn:
                 self.selector.update(qg, summary, selected, recall)
         return out
+
+    def _select_shards(
+        self, qg: torch.Tensor, special: torch.Tensor
+    ) -> tuple[ShardSummary, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shard selection for the ``[B, H, G, D]`` queries.
+
+        Returns ``(summary, selected [B, H, k], chosen_shard [B, H, S] bool, pages to read [B, H, NP] bool)`` and
+        counts a miss for every selected shard that had lost tokens to eviction.
+        """
+        st = self.store
+        b, h, s = st.batch, st.heads, self.num_shards
+        if self.misses is None or self.misses.shape[:2] != (b, h):
+            self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=st.device)
+        summary = st.summary(self.misses)
+        selected = self.selector.select(qg, summary, self.routed.top_k_shards)
+        chosen_shard = torch.zeros(b, h, s, dtype=torch.bool, device=st.device).scatter_(2, selected, True)
+        if self.shard_evicted is not None:
+            self.misses += (chosen_shard & (self.shard_evicted > 0)).long()
+        in_shard = chosen_shard.gather(2, st.page_shard.clamp(min=0)) & (st.page_shard >= 0)
+        return summary, selected, chosen_shard, in_shard | special
+
+    def _select_pages(self, qg: torch.Tensor, special: torch.Tensor) -> torch.Tensor:
+        """Quest page selection for the ``[B, H, G, D]`` queries -> ``[B, H, NP]`` bool pages to read.
+
+        Each (row, KV head) reads ``ceil(read_fraction * n_pages)`` pages: sink / window pages first, then the
+        pages of largest ``q . k`` upper bound (``pikv_hf.routing.scores.upper_bounds``).
+        """
+        st = self.store
+        st.enable_page_bounds()
+        key_min, key_max, count = st.page_bounds()
+        score = upper_bounds(qg, key_min, key_max, count).masked_fill(special, float("inf"))
+        budget = torch.ceil(st.n_pages * self.routed.read_fraction).long()  # [B, H]
+        order = score.argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(
+            2, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        )
+        return (rank < budget.unsqueeze(-1)) & (count > 0)
 
     def _recall(
         self,
@@ -327,14 +382,14 @@ class PiKVLayer(CacheLayerMixin):
         scale: float,
         sliding_window: int | None,
         sinks: torch.Tensor | None,
-        chosen_shard: torch.Tensor,
+        chosen: torch.Tensor,
     ) -> torch.Tensor:
-        """``[B, H]`` fraction of exact attention's probability mass on the tokens routed attention keeps."""
+        """``[B, H]`` fraction of exact attention's probability mass on the tokens routed attention keeps
+        (``chosen`` ``[B, H, C]`` over the store's slots, plus the recent window)."""
         st, cfg = self.store, self.routed
         mass = torch.zeros_like(st.attn_mass)
         qpos = self._last_qpos
         masked_attention(query, st.keys, st.values, st.valid, st.pos, qpos, scale, sliding_window, sinks, mass_out=mass)
-        chosen = chosen_shard.gather(2, st.slot_shard().clamp(min=0)) | (st.pos < cfg.n_sink)
         kept = allowed_mask(st.valid, st.pos, qpos, sliding_window, (chosen, cfg.window)).any(2)
         return (mass * kept).sum(-1) / mass.sum(-1).clamp(min=torch.finfo(torch.float32).tiny)
 
@@ -473,25 +528,43 @@ def routed_settings(
     n_sink: int,
     window: int,
     measure_recall: bool,
+    read_fraction: float | None = None,
+    selector_kwargs: dict | None = None,
 ) -> RoutedAttention | None:
     """Validate the attention arguments of ``PiKVCache``; the ``RoutedAttention`` they ask for, or None (exact)."""
-    routed = None
-    if attention not in ("exact", "routed"):
-        raise ValueError(f"attention must be 'exact' or 'routed', got {attention!r}")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}; got {attention!r}")
+    if attention == "exact":
+        return None
     if attention == "routed":
         if not isinstance(top_k_shards, int) or not 1 <= top_k_shards <= num_shards:
             raise ValueError(
                 f"top_k_shards must be an integer in [1, num_shards={num_shards}] for attention='routed', "
                 f"got {top_k_shards!r}"
             )
-        if selector not in SELECTORS:
-            raise ValueError(f"selector must be one of {', '.join(SELECTORS)}; got {selector!r}")
-        if not isinstance(n_sink, int) or n_sink < 0:
-            raise ValueError(f"n_sink must be an integer >= 0, got {n_sink!r}")
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        routed = RoutedAttention(top_k_shards, selector, n_sink, window, measure_recall)
-    return routed
+        selector_kwargs = dict(selector_kwargs or {})
+        try:
+            make_selector(selector, **selector_kwargs)
+        except TypeError as err:
+            raise ValueError(f"selector_kwargs {selector_kwargs} do not fit selector {selector!r}: {err}") from None
+        read_fraction = None
+    else:
+        if isinstance(read_fraction, bool) or not isinstance(read_fraction, (int, float)) or not 0 < read_fraction <= 1:
+            raise ValueError(f"read_fraction must be a number in (0, 1] for attention='quest', got {read_fraction!r}")
+        top_k_shards, read_fraction = None, float(read_fraction)
+    if not isinstance(n_sink, int) or n_sink < 0:
+        raise ValueError(f"n_sink must be an integer >= 0, got {n_sink!r}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    return RoutedAttention(
+        top_k_shards,
+        selector,
+        n_sink,
+        window,
+        measure_recall,
+        read_fraction=read_fraction,
+        selector_kwargs=selector_kwargs or {},
+    )
 
 
 class PiKVCache(Cache):
@@ -516,8 +589,9 @@ class PiKVCache(Cache):
     track_stats : bool
         Update per-token attention mass / hits / last access during attention (default False).
     attention : str
-        ``"exact"`` (default) or ``"routed"``: at decode time each query attends only to its ``top_k_shards``
-        selected shards plus ``n_sink`` first and ``window`` recent positions (see ``RoutedAttention``).
+        ``"exact"`` (default), ``"routed"``: at decode time each query attends only to its ``top_k_shards``
+        selected shards plus ``n_sink`` first and ``window`` recent positions, or ``"quest"``: the same with
+        Quest's per-page selection of ``read_fraction`` of the pages instead of shards (see ``RoutedAttention``).
     top_k_shards : int, optional
         Shards per query in routed mode, in ``[1, num_shards]``.
     selector : str
@@ -526,6 +600,10 @@ class PiKVCache(Cache):
         Always-kept first positions (default 4) and recent window (default 64) in routed mode.
     measure_recall : bool
         Routed mode: also compute exact attention each step and record the recall (slow; for measurements).
+    read_fraction : float, optional
+        Quest mode: fraction of each (row, KV head)'s pages read per decode step, in ``(0, 1]``.
+    selector_kwargs : dict, optional
+        Constructor arguments of the selector (e.g. ``{"score": "bound"}``).
 
     Examples
     --------
@@ -547,6 +625,8 @@ class PiKVCache(Cache):
         n_sink: int = 4,
         window: int = 64,
         measure_recall: bool = False,
+        read_fraction: float | None = None,
+        selector_kwargs: dict | None = None,
     ) -> None:
         is_model = isinstance(model, nn.Module)
         config = model.config if is_model else model
@@ -565,7 +645,17 @@ class PiKVCache(Cache):
             raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
         if not isinstance(shard_groups, int) or not 1 <= shard_groups <= num_shards:
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
-        routed = routed_settings(num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
+        routed = routed_settings(
+            num_shards,
+            attention,
+            top_k_shards,
+            selector,
+            n_sink,
+            window,
+            measure_recall,
+            read_fraction,
+            selector_kwargs,
+        )
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
         tap = _expert_tap(model) if router == "expert" else None
@@ -590,13 +680,25 @@ class PiKVCache(Cache):
         n_sink: int = 4,
         window: int = 64,
         measure_recall: bool = False,
+        read_fraction: float | None = None,
+        selector_kwargs: dict | None = None,
     ) -> None:
-        """Switch every layer between exact and routed decode attention (arguments as in the constructor).
+        """Switch every layer between exact, routed and quest decode attention (arguments as in the constructor).
 
         Stored tokens are kept; selectors and routing statistics start fresh. Raises before changing anything.
         """
         self._apply_routed(
-            routed_settings(self.num_shards, attention, top_k_shards, selector, n_sink, window, measure_recall)
+            routed_settings(
+                self.num_shards,
+                attention,
+                top_k_shards,
+                selector,
+                n_sink,
+                window,
+                measure_recall,
+                read_fraction,
+                selector_kwargs,
+            )
         )
 
     def _apply_routed(self, routed: RoutedAttention | None) -> None:
@@ -614,6 +716,17 @@ class PiKVCache(Cache):
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
+
+    def fork(self) -> PiKVCache:
+        """An independent copy of everything stored (pages, router and selector state, statistics).
+
+        The copy shares only the model's expert tap, so several continuations (e.g. one per attention mode) can
+        be decoded from one prefill.
+        """
+        taps = {
+            id(layer.placement.tap): layer.placement.tap for layer in self.layers if hasattr(layer.placement, "tap")
+        }
+        return copy.deepcopy(self, memo=taps)
 
     def crop(self, max_length: int) -> None:
         """Crop every layer to ``max_length`` tokens; raises before touching any layer if one has evicted tokens."""

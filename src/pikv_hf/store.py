@@ -29,10 +29,13 @@ shard_sum     ``[B, H, S, Dk]``   float32, sum of the shard's valid keys
 shard_count   ``[B, H, S]``       int64, valid tokens of the shard
 shard_min     ``[B, H, S, Dk]``   float32, element-wise min of its keys
 shard_max     ``[B, H, S, Dk]``   float32, element-wise max of its keys
+page_min      ``[B, H, NP, Dk]``  float32, element-wise min of a page's valid keys (only with page bounds)
+page_max      ``[B, H, NP, Dk]``  float32, element-wise max of a page's valid keys (only with page bounds)
 ============  ==================  ======================================
 
 The shard summaries are maintained on every append and rebuilt after compaction or invalidation, so a
-selector reads ``O(S * Dk)`` numbers per KV head instead of rescanning the keys.
+selector reads ``O(S * Dk)`` numbers per KV head instead of rescanning the keys. Per-page bounds (Quest's page
+metadata) are kept the same way once :meth:`PagedShardStore.enable_page_bounds` was called.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ class PagedShardStore:
         self.num_shards = int(num_shards)
         self.k_dim, self.v_dim = int(k_dim), int(v_dim)
         self.dtype, self.device = dtype, device
+        self.page_min: torch.Tensor | None = None
+        self.page_max: torch.Tensor | None = None
         self._allocate(batch, heads, pages=0)
 
     # ------------------------------------------------------------------ allocation
@@ -82,6 +87,8 @@ class PagedShardStore:
         self.open_page = torch.full((b, h, self.num_shards), -1, dtype=torch.int64, device=dev)
         self.open_fill = torch.zeros(b, h, self.num_shards, dtype=torch.int64, device=dev)
         self._reset_summaries()
+        if self.page_min is not None:
+            self.page_min, self.page_max = self._empty_page_bounds(pages)
 
     @property
     def batch(self) -> int:
@@ -106,6 +113,9 @@ class PagedShardStore:
         self.page_shard = torch.cat(
             [self.page_shard, self.page_shard.new_full((self.batch, self.heads, extra_pages), -1)], 2
         )
+        if self.page_min is not None:
+            lo, hi = self._empty_page_bounds(extra_pages)
+            self.page_min, self.page_max = torch.cat([self.page_min, lo], 2), torch.cat([self.page_max, hi], 2)
 
     # ------------------------------------------------------------------ writes
     def append(
@@ -171,6 +181,8 @@ class PagedShardStore:
             page_flat, shard_flat = page_flat[sel], shard_flat[sel]
         self.page_shard.view(-1).index_copy_(0, page_flat, shard_flat)
         self._add_to_summaries(keys, shard, count, present)
+        if self.page_min is not None:
+            self._add_to_page_bounds(keys, page, present)
         return slot if present is None else torch.where(present, slot, -1)
 
     def _add_to_summaries(
@@ -191,6 +203,44 @@ class PagedShardStore:
         self.shard_min.scatter_reduce_(2, idx, lo, "amin")
         self.shard_max.scatter_reduce_(2, idx, hi, "amax")
 
+    def _add_to_page_bounds(self, keys: torch.Tensor, page: torch.Tensor, present: torch.Tensor | None) -> None:
+        """Fold ``[B, H, q, Dk]`` keys into the min / max of their pages (``page`` ``[B, H, q]``)."""
+        k = keys.float()
+        lo = hi = k
+        if present is not None:
+            keep = present.unsqueeze(-1)
+            lo, hi = k.masked_fill(~keep, float("inf")), k.masked_fill(~keep, float("-inf"))
+        idx = page.clamp(min=0).unsqueeze(-1).expand_as(k)
+        self.page_min.scatter_reduce_(2, idx, lo, "amin")
+        self.page_max.scatter_reduce_(2, idx, hi, "amax")
+
+    def _empty_page_bounds(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.batch, self.heads, pages, self.k_dim)
+        return (
+            torch.full(shape, float("inf"), device=self.device),
+            torch.full(shape, float("-inf"), device=self.device),
+        )
+
+    def enable_page_bounds(self) -> None:
+        """Keep per-page key min / max from now on (computed once here from the stored keys)."""
+        if self.page_min is None:
+            self.page_min, self.page_max = self._empty_page_bounds(self.capacity_pages)
+            self._rebuild_page_bounds()
+
+    def _rebuild_page_bounds(self) -> None:
+        b, h, np_, p = self.batch, self.heads, self.capacity_pages, self.page_size
+        k = self.keys.float().view(b, h, np_, p, self.k_dim)
+        valid = self.valid.view(b, h, np_, p, 1)
+        self.page_min = k.masked_fill(~valid, float("inf")).amin(3)
+        self.page_max = k.masked_fill(~valid, float("-inf")).amax(3)
+
+    def page_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quest's page metadata: ``(key_min, key_max)`` ``[B, H, NP, Dk]`` and valid tokens per page ``[B, H, NP]``."""
+        if self.page_min is None:
+            raise RuntimeError("page bounds are not kept: call enable_page_bounds() first")
+        count = self.valid.view(self.batch, self.heads, self.capacity_pages, self.page_size).sum(-1)
+        return self.page_min, self.page_max, count
+
     def _reset_summaries(self) -> None:
         """Empty shard summaries for the current batch and heads."""
         shape = (self.batch, self.heads, self.num_shards)
@@ -205,6 +255,8 @@ class PagedShardStore:
         shard = self.slot_shard().clamp(min=0)
         count = torch.zeros_like(self.shard_count).scatter_add_(2, shard, self.valid.long())
         self._add_to_summaries(self.keys, shard, count, self.valid)
+        if self.page_min is not None:
+            self._rebuild_page_bounds()
 
     def _flat_index(self, slot: torch.Tensor, present: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flattened ``[B*H*C]`` index of each (present) token's slot, and the selection of present tokens."""
@@ -234,6 +286,8 @@ class PagedShardStore:
         index = index.to(self.device)
         for name in _BATCH_FIELDS:
             setattr(self, name, getattr(self, name).index_select(0, index))
+        if self.page_min is not None:
+            self.page_min, self.page_max = self.page_min.index_select(0, index), self.page_max.index_select(0, index)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Rebuild the store with only the slots where ``keep`` (``[B, H, C]`` bool) is True.
@@ -310,4 +364,6 @@ class PagedShardStore:
     def meta_nbytes(self) -> int:
         """Bytes held by positions, valid bits, statistics and page tables."""
         names = ("pos", "valid", *_STAT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill", *_SUMMARY_FIELDS)
+        if self.page_min is not None:
+            names = (*names, "page_min", "page_max")
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)

@@ -17,13 +17,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", required=True, help="ruler (offline long-context suite) | longbench")
     parser.add_argument("--model", default="smollm2", help="smollm2 | smollm2-moe | PATH (save_pretrained dir)")
     parser.add_argument(
-        "--press", nargs="+", default=["none"], help="none and/or kvpress presses (snapkv, expected_attention, ...)"
+        "--press",
+        nargs="+",
+        default=["none"],
+        help="none and/or kvpress presses (snapkv, expected_attention, ...); with --cache pikv: none, pikv_routed, "
+        "pikv_quest",
     )
-    parser.add_argument("--ratio", nargs="+", type=float, default=[0.5], help="compression ratio(s) in [0, 1)")
-    parser.add_argument("--cache", default="dynamic", help="dynamic (kvpress flow) | pikv (PiKVCache, --press none)")
+    parser.add_argument(
+        "--ratio",
+        nargs="+",
+        type=float,
+        default=[0.5],
+        help="compression ratio(s) in [0, 1); for pikv_routed / pikv_quest the fraction of KV a decode step skips",
+    )
+    parser.add_argument("--cache", default="dynamic", help="dynamic (kvpress flow) | pikv (PiKVCache)")
     parser.add_argument(
         "--router", default="round_robin", help="PiKVCache router: round_robin | expert (MoE only) | key_cluster"
     )
+    parser.add_argument("--num-shards", type=int, default=None, help="PiKVCache shards (default: experts, or 8)")
+    parser.add_argument("--selector", default="topk", help="selection router of pikv_routed")
+    parser.add_argument("--n-sink", type=int, default=4, help="sink tokens always read by pikv_routed / pikv_quest")
+    parser.add_argument("--window", type=int, default=64, help="recent tokens always read by pikv_routed / pikv_quest")
     parser.add_argument("--samples", type=int, default=20, help="samples per task, length, press and ratio")
     parser.add_argument(
         "--length", nargs="+", type=int, default=[2048], help="RULER prompt length(s); LongBench truncation length"
@@ -63,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         cache=args.cache,
         router=args.router,
+        num_shards=args.num_shards,
+        selector=args.selector,
+        n_sink=args.n_sink,
+        window=args.window,
         samples=args.samples,
         lengths=list(args.length),
         tasks=tasks,

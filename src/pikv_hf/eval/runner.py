@@ -2,8 +2,12 @@
 
 Protocol (query-agnostic, as kvpress's pipeline): the context is prefilled alone (under ``with press(model):`` when
 a kvpress press is given, which compresses the cache), then the question and answer prefix are fed with explicit
-positions after the original context length and the answer is decoded greedily. With ``cache="pikv"`` (no press)
-the whole prompt goes through ``model.generate(past_key_values=PiKVCache(...))``.
+positions after the original context length and the answer is decoded greedily. With ``cache="pikv"`` the context
+is prefilled once into an exact ``PiKVCache``; every point (``none`` = exact attention, ``pikv_routed``,
+``pikv_quest``) then decodes from its own ``fork()`` of that cache. Routed and Quest attention only change decode
+steps, so they are query-aware sparse *reads* of an uncompressed cache: nothing is evicted, and the ratio is the
+fraction of KV pages a decode step does not read (``1 - k / num_shards`` for routed, ``1 - read_fraction`` for
+Quest); each row also records the fraction actually read.
 
 Results: ``predictions.jsonl`` gets one line per finished sample (flushed and fsynced), so an interrupted run
 resumes where it stopped; ``metrics.json`` aggregates them with library versions, git commit, seed and arguments;
@@ -36,6 +40,8 @@ PREDICTIONS = "predictions.jsonl"
 METRICS = "metrics.json"
 RUN_CONFIG = "run_config.json"
 ABSTRACT_PRESSES = ("ScorerPress",)  # base classes without a scoring rule
+PIKV_MODES = {"pikv_routed": "routed", "pikv_quest": "quest"}  # decode attention modes of PiKVCache (--cache pikv)
+DENSE_SHARDS = 8  # PiKVCache's default shard count for a dense model
 
 
 @dataclass
@@ -49,15 +55,23 @@ class EvalConfig:
     model : str
         ``smollm2``, ``smollm2-moe`` or a ``save_pretrained`` directory.
     presses : list of str
-        ``none`` and/or kvpress press names (see :func:`press_names`).
+        ``none`` and/or kvpress press names (see :func:`press_names`); with ``cache="pikv"``: ``none`` (exact),
+        ``pikv_routed`` and/or ``pikv_quest``.
     ratios : list of float
-        Compression ratios in [0, 1) for the presses (``none`` runs once, at ratio 0).
+        Compression ratios in [0, 1) for the presses (``none`` runs once, at ratio 0); for ``pikv_routed`` /
+        ``pikv_quest`` the fraction of KV pages a decode step skips.
     out : str
         Output directory.
     cache : str
-        ``dynamic`` (kvpress's flow) or ``pikv`` (PiKVCache, press ``none`` only).
+        ``dynamic`` (kvpress's flow) or ``pikv`` (PiKVCache).
     router : str
         PiKVCache placement router.
+    num_shards : int or None
+        PiKVCache shards per layer and KV head (default: the model's experts, or 8 for a dense model).
+    selector : str
+        Selection router of ``pikv_routed``.
+    n_sink, window : int
+        Sink and recent-window tokens always read by ``pikv_routed`` / ``pikv_quest``.
     samples : int
         Samples per task (and per length, press and ratio).
     lengths : list of int
@@ -79,6 +93,10 @@ class EvalConfig:
     out: str
     cache: str = "dynamic"
     router: str = "round_robin"
+    num_shards: int | None = None
+    selector: str = "topk"
+    n_sink: int = 4
+    window: int = 64
     samples: int = 20
     lengths: list[int] = field(default_factory=lambda: [2048])
     tasks: str = "needle"
@@ -101,9 +119,18 @@ class EvalConfig:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if not self.presses:
             raise ValueError("press must name at least one press ('none' for no compression)")
-        if any(press != "none" for press in self.presses):  # kvpress is imported only when a press is asked for
+        if self.cache == "pikv":
+            for press in self.presses:
+                if press != "none" and press not in PIKV_MODES:
+                    raise ValueError(
+                        f"press: with --cache pikv use none, {' or '.join(PIKV_MODES)}, got {press!r} (kvpress "
+                        "presses inside PiKVCache arrive with the scheduling issue; use --cache dynamic to run them)"
+                    )
+        elif any(press != "none" for press in self.presses):  # kvpress is imported only when a press is asked for
             known = press_names()
             for press in self.presses:
+                if press in PIKV_MODES:
+                    raise ValueError(f"press {press!r} is a PiKVCache attention mode: it needs --cache pikv")
                 if press != "none" and press not in known:
                     raise ValueError(f"press must be 'none' or one of {sorted(known)}, got {press!r}")
         if not self.ratios:
@@ -111,11 +138,19 @@ class EvalConfig:
         for ratio in self.ratios:
             if not 0.0 <= ratio < 1.0:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
-        if self.cache == "pikv" and any(p != "none" for p in self.presses):
-            raise ValueError(
-                "press: kvpress presses inside PiKVCache arrive with the scheduling issue; with --cache pikv use "
-                "--press none (or --cache dynamic to run kvpress presses)"
-            )
+        if self.num_shards is not None and (not isinstance(self.num_shards, int) or self.num_shards < 1):
+            raise ValueError(f"num_shards must be an integer >= 1, got {self.num_shards!r}")
+        if self.n_sink < 0 or self.window < 1:
+            raise ValueError(f"n_sink must be >= 0 and window >= 1, got {self.n_sink}, {self.window}")
+        if "pikv_routed" in self.presses:
+            from pikv_hf.routing import SELECTORS
+
+            if self.selector not in SELECTORS:
+                raise ValueError(f"selector must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
+            shards = self.shards()
+            if shards is not None:
+                for ratio in self.ratios:
+                    self.top_k_shards(ratio, shards)
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if not self.lengths or any(n < 64 for n in self.lengths):
@@ -126,6 +161,24 @@ class EvalConfig:
             )
         if self.longbench_dir is not None and not Path(self.longbench_dir).is_dir():
             raise ValueError(f"longbench_dir must be an existing directory, got {self.longbench_dir!r}")
+
+    def shards(self) -> int | None:
+        """PiKVCache's shard count for the named models (None for a ``PATH`` model without ``num_shards``)."""
+        if self.num_shards is not None:
+            return self.num_shards
+        return {"smollm2": DENSE_SHARDS, "smollm2-moe": self.num_experts}.get(self.model)
+
+    @staticmethod
+    def top_k_shards(ratio: float, shards: int) -> int:
+        """``k`` of ``pikv_routed`` at ``ratio`` (fraction of shards skipped): ``(1 - ratio) * shards``, which must
+        be a whole number in ``[1, shards]``."""
+        k = round((1.0 - ratio) * shards)
+        if k < 1 or abs((1.0 - ratio) * shards - k) > 1e-6:
+            raise ValueError(
+                f"ratio {ratio} with pikv_routed must skip a whole number of the {shards} shards and keep at least "
+                f"one, i.e. ratio in {{j / {shards} : j = 0 .. {shards - 1}}}"
+            )
+        return k
 
     def points(self) -> list[tuple[str, float]]:
         """(press, ratio) pairs to run: ``none`` once at ratio 0, every other press at every ratio."""
@@ -143,6 +196,7 @@ class EvalConfig:
             "model": self.model,
             "cache": self.cache,
             "router": self.router if self.cache == "pikv" else None,
+            "pikv": [self.num_shards, self.selector, self.n_sink, self.window] if self.cache == "pikv" else None,
             "seed": self.seed,
             "num_experts": self.num_experts if self.model == "smollm2-moe" else None,
             "top_k": self.top_k if self.model == "smollm2-moe" else None,
@@ -376,18 +430,18 @@ def replayable(press) -> bool:
     )
 
 
-def prefill(model, context_ids, press=None):
+def prefill(model, context_ids, press=None, cache=None):
     """kvpress's prefill: run the context through ``model.model`` under ``with press(model):`` (when given).
 
     Returns
     -------
-    transformers.DynamicCache
-        The (compressed) cache of the context.
+    transformers.Cache
+        The (compressed) cache of the context: ``cache``, or a new ``DynamicCache``.
     """
     import torch
     from transformers import DynamicCache
 
-    kv = DynamicCache()
+    kv = DynamicCache() if cache is None else cache
     with torch.no_grad(), press(model) if press is not None else contextlib.nullcontext():
         model.model(input_ids=context_ids, past_key_values=kv)
     return kv
@@ -425,34 +479,28 @@ def answer_from_cache(model, kv, context_len: int, question_ids, max_new_tokens:
     return generated
 
 
-def answer_with_pikv(model, context_ids, question_ids, max_new_tokens: int, eos_ids: set[int], router: str):
-    """Generate with ``model.generate(past_key_values=PiKVCache(model, router=router))`` on context + question.
+def pikv_decoders(model, config: EvalConfig, context_ids):
+    """Prefill the context once into an exact ``PiKVCache``; return ``make(point) -> cache`` for the points.
 
-    Returns
-    -------
-    list of int
-        Generated token ids, without the stopping eos.
+    Each call forks the prefilled cache and sets the point's decode attention: ``none`` exact, ``pikv_routed``
+    ``top_k_shards = (1 - ratio) * num_shards``, ``pikv_quest`` ``read_fraction = 1 - ratio``.
     """
-    import torch
-
     from pikv_hf import PiKVCache
 
-    cache = PiKVCache(model, router=router)
-    ids = torch.cat([context_ids, question_ids], dim=1)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=sorted(eos_ids),
-            pad_token_id=sorted(eos_ids)[0],
-        )
-    generated = out[0, ids.shape[1] :].tolist()
-    while generated and generated[-1] in eos_ids:
-        generated.pop()
-    return generated
+    base = PiKVCache(model, router=config.router, num_shards=config.num_shards)
+    prefill(model, context_ids, None, base)
+    common = {"n_sink": config.n_sink, "window": config.window}
+
+    def make(press_name: str, ratio: float):
+        cache = base.fork()
+        if press_name == "pikv_routed":
+            k = config.top_k_shards(ratio, cache.num_shards)
+            cache.set_attention("routed", top_k_shards=k, selector=config.selector, **common)
+        elif press_name == "pikv_quest":
+            cache.set_attention("quest", read_fraction=1.0 - ratio, **common)
+        return cache
+
+    return make
 
 
 def _read_predictions(path: Path) -> list[dict]:
@@ -542,21 +590,42 @@ def summarise(rows: list[dict]) -> dict:
         ``{"per_task": [...], "per_point": [...]}``; a point's score is the mean over all its samples (all tasks),
         as a percentage, with ``n`` samples.
     """
-    per_task: dict[tuple, list[float]] = defaultdict(list)
-    per_point: dict[tuple, list[float]] = defaultdict(list)
+    per_task: dict[tuple, list[dict]] = defaultdict(list)
+    per_point: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
-        per_task[(row["press"], row["ratio"], row["length"], row["task"])].append(row["score"])
-        per_point[(row["press"], row["ratio"])].append(row["score"])
+        per_task[(row["press"], row["ratio"], row["length"], row["task"])].append(row)
+        per_point[(row["press"], row["ratio"])].append(row)
     return {
         "per_task": [
-            {"press": p, "ratio": r, "length": n, "task": t, "n": len(v), "score": 100.0 * sum(v) / len(v)}
+            {"press": p, "ratio": r, "length": n, "task": t, **_aggregate(v)}
             for (p, r, n, t), v in sorted(per_task.items())
         ],
-        "per_point": [
-            {"press": p, "ratio": r, "n": len(v), "score": 100.0 * sum(v) / len(v)}
-            for (p, r), v in sorted(per_point.items())
-        ],
+        "per_point": [{"press": p, "ratio": r, **_aggregate(v)} for (p, r), v in sorted(per_point.items())],
     }
+
+
+def _protocol(config: EvalConfig) -> dict:
+    """Whether the run's KV selection saw the question, in words, for ``metrics.json``."""
+    if config.cache == "pikv" and any(p in PIKV_MODES for p in config.presses):
+        return {
+            "query_aware": True,
+            "protocol": "query-aware sparse reads: the uncompressed context cache is kept; every decode step of the "
+            "answer reads only the KV pages its own query selects (routed shards or Quest pages, plus sinks and "
+            "recent window), per layer and KV head",
+        }
+    return {
+        "query_aware": False,
+        "protocol": "query-agnostic: the context is prefilled (and compressed) before the question is seen",
+    }
+
+
+def _aggregate(rows: list[dict]) -> dict:
+    """``n``, mean score in percent and, for routed / Quest rows, the mean fractions read and attended."""
+    out = {"n": len(rows), "score": 100.0 * sum(r["score"] for r in rows) / len(rows)}
+    for name in ("fraction_pages_read", "fraction_tokens_attended"):
+        if all(name in r for r in rows):
+            out[name] = sum(r[name] for r in rows) / len(rows)
+    return out
 
 
 def plot_score_vs_ratio(per_point: list[dict], path: str | os.PathLike, title: str) -> None:
@@ -697,16 +766,25 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                 else:
                     example = longbench.build_example(lb_tasks[task][index], task, builder, length)
                     record, (ctx_ids, q_ids), max_new = example["record"], example["ids"], example["max_new_tokens"]
-                recorded = None
+                recorded = decoders = None
                 for press_name, ratio in points:
                     key = row_key(press_name, ratio, length, task, index)
                     if key in done:
                         continue
-                    press = build_press(press_name, ratio)
+                    press = None if config.cache == "pikv" else build_press(press_name, ratio)
                     started = time.perf_counter()
+                    read = {}
                     if config.cache == "pikv":
-                        generated = answer_with_pikv(model, ctx_ids, q_ids, max_new, eos_ids, config.router)
+                        decoders = decoders or pikv_decoders(model, config, ctx_ids)
+                        kv = decoders(press_name, ratio)
+                        generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
                         kept = int(ctx_ids.shape[1])
+                        if kv.routed is not None:
+                            stats = kv.routing_stats()["overall"]
+                            read = {
+                                "fraction_pages_read": round(stats["fraction_pages_read"], 4),
+                                "fraction_tokens_attended": round(stats["fraction_tokens_attended"], 4),
+                            }
                     else:
                         if press is None or replayable(press):
                             recorded = recorded or PrefillRecord(model, ctx_ids)
@@ -736,6 +814,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                         "score": score,
                         "seconds": round(seconds, 3),
                         "depths": record.get("depths", []),
+                        **read,
                     }
                     handle.write(json.dumps(row) + "\n")
                     handle.flush()
@@ -748,8 +827,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
     summary = summarise(rows)
     metrics = {
         "suite": config.suite,
-        "query_aware": False,
-        "protocol": "query-agnostic: the context is prefilled (and compressed) before the question is seen",
+        **_protocol(config),
         "budget_note": "ratio = fraction of context KV pairs evicted per KV head per layer (kvpress compression_ratio)",
         "tasks": tasks,
         "arguments": dataclasses.asdict(config),

@@ -80,11 +80,22 @@ def bound_scores(query: torch.Tensor, summary: ShardSummary) -> torch.Tensor:
     torch.Tensor
         ``[B, H, S]`` float32 bound; ``-inf`` for an empty shard.
     """
+    return upper_bounds(query, summary.key_min, summary.key_max, summary.counts)
+
+
+def upper_bounds(
+    query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """``[B, H, N]`` Quest bound ``max_g (q_g^+ . max_n + q_g^- . min_n)`` of ``N`` key sets (shards or pages).
+
+    ``query`` is ``[B, H, G, D]``, ``key_min`` / ``key_max`` ``[B, H, N, D]``, ``counts`` ``[B, H, N]``; an empty
+    set (count 0) scores ``-inf``.
+    """
     q = query.float()
-    empty = summary.counts == 0
-    # Empty shards carry +-inf bounds: zero them so 0 * inf cannot turn the matmul into NaN.
-    key_max = summary.key_max.float().masked_fill(empty[..., None], 0.0)
-    key_min = summary.key_min.float().masked_fill(empty[..., None], 0.0)
+    empty = counts == 0
+    # Empty sets carry +-inf bounds: zero them so 0 * inf cannot turn the matmul into NaN.
+    key_max = key_max.float().masked_fill(empty[..., None], 0.0)
+    key_min = key_min.float().masked_fill(empty[..., None], 0.0)
     bound = q.clamp(min=0) @ key_max.transpose(-1, -2) + q.clamp(max=0) @ key_min.transpose(-1, -2)
     return bound.amax(dim=-2).masked_fill(empty, float("-inf"))
 
