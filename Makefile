@@ -36,7 +36,7 @@ bench: $(STAMP)
 EVAL_TABLE_ARGS := --suite ruler --tasks needle --samples 20 --length 2048 \
 	--press none snapkv expected_attention streaming_llm knorm --ratio 0.25 0.5 0.75 --no-progress
 EVAL_RESULTS := eval/results
-.PHONY: eval-table eval-assets eval-smoke test-eval-slow
+.PHONY: eval-table eval-routing eval-assets eval-smoke test-eval-slow
 
 eval-table: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(EVAL_TABLE_ARGS) --model smollm2 \
@@ -47,6 +47,15 @@ eval-table: $(STAMP)
 		--json $(EVAL_RESULTS)/ruler2k_table.json --png $(EVAL_RESULTS)/ruler2k_table.png
 
 # Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
+# Routing quality (routing issue): exact vs routed (key_cluster + topk) vs Quest pages, needles at 2k and 4k,
+# 42 samples per point; query-aware sparse reads (~50 min on 2 cores).
+ROUTING_ARGS = --suite ruler --model smollm2 --cache pikv --router key_cluster --samples 14
+eval-routing: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --press none pikv_routed pikv_quest \
+		--ratio 0.75 0.875 --length 2048 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --num-shards 64 --press none pikv_routed \
+		--ratio 0.75 0.875 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_64shards
+
 eval-assets: $(STAMP)
 	$(PY) -c "from pikv_hf.models import load_smollm2; load_smollm2()"
 
