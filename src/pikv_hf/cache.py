@@ -304,17 +304,25 @@ class PiKVLayer(CacheLayerMixin):
         special = (st.valid.view(b, h, -1, p) & ((posp < cfg.n_sink) | (posp > int(qpos[0]) - cfg.window))).any(-1)
         if cfg.read_fraction is None:
             summary, selected, chosen_shard, need = self._select_shards(qg, special)
-            # a slot is attended if its shard was selected or it is a sink (or it lies in the window)
-            chosen = chosen_shard.gather(2, st.slot_shard().clamp(min=0)) | (st.pos < cfg.n_sink)
+
+            def selected_slots(shard: torch.Tensor, pos: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+                """Slots of a selected shard, and sinks (``allowed_mask`` adds the window)."""
+                return chosen_shard.gather(2, shard.clamp(min=0)) | (pos < cfg.n_sink)
+
         else:
             need = self._select_pages(qg, special)
-            chosen = need.repeat_interleave(p, dim=-1)  # Quest attends to every token of a page it reads
+
+            def selected_slots(shard: torch.Tensor, pos: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+                """Quest attends to every token of a page it reads."""
+                return read
+
         n_read = need.sum(-1)
         pages = torch.argsort((~need).to(torch.uint8), dim=-1, stable=True)[..., : int(n_read.max())]
         part = st.gather_pages(pages)
-        slots = (pages.unsqueeze(-1) * p + torch.arange(p, device=pages.device)).flatten(2)
-        valid = part["valid"] & need.gather(2, pages).repeat_interleave(p, dim=-1)
-        routed = (chosen.gather(2, slots), cfg.window)
+        read = need.gather(2, pages).repeat_interleave(p, dim=-1)
+        valid = part["valid"] & read
+        chosen = selected_slots(part["shard"], part["pos"], read)
+        routed = (chosen, cfg.window)
         out = masked_attention(
             query, part["keys"], part["values"], valid, part["pos"], qpos, scale, sliding_window, sinks, routed=routed
         )
@@ -326,13 +334,11 @@ class PiKVLayer(CacheLayerMixin):
         stats.tokens_stored += int(st.valid.sum())
         stats.pages_gathered += int(n_read.sum())
         stats.pages_stored += int(st.n_pages.sum())
-        learn = (
-            cfg.read_fraction is None
-            and self.selector.update is not Selector.update
-            and stats.steps % cfg.reward_every == 0
-        )
+        learn = self.selector is not None and self.selector.update is not Selector.update
+        learn = learn and stats.steps % cfg.reward_every == 0
         if cfg.measure_recall or learn:
-            recall = self._recall(query, scale, sliding_window, sinks, chosen)
+            kept = selected_slots(st.slot_shard(), st.pos, need.repeat_interleave(p, dim=-1))
+            recall = self._recall(query, scale, sliding_window, sinks, kept)
             stats.recall_sum += float(recall.sum())
             stats.recall_heads += recall.numel()
             if learn:
@@ -521,7 +527,7 @@ def _expert_tap(model: nn.Module) -> ExpertTap:
 
 
 def routed_settings(
-    num_shards: int,
+    num_shards: int | None,
     attention: str,
     top_k_shards: int | None,
     selector: str,
@@ -531,7 +537,8 @@ def routed_settings(
     read_fraction: float | None = None,
     selector_kwargs: dict | None = None,
 ) -> RoutedAttention | None:
-    """Validate the attention arguments of ``PiKVCache``; the ``RoutedAttention`` they ask for, or None (exact)."""
+    """Validate the attention arguments of ``PiKVCache``; the ``RoutedAttention`` they ask for, or None (exact).
+    ``num_shards`` is only read for ``attention="routed"``."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}; got {attention!r}")
     if attention == "exact":

@@ -88,7 +88,7 @@ class PagedShardStore:
         self.open_fill = torch.zeros(b, h, self.num_shards, dtype=torch.int64, device=dev)
         self._reset_summaries()
         if self.page_min is not None:
-            self.page_min, self.page_max = self._empty_page_bounds(pages)
+            self.page_min, self.page_max = self._empty_bounds(pages)
 
     @property
     def batch(self) -> int:
@@ -114,7 +114,7 @@ class PagedShardStore:
             [self.page_shard, self.page_shard.new_full((self.batch, self.heads, extra_pages), -1)], 2
         )
         if self.page_min is not None:
-            lo, hi = self._empty_page_bounds(extra_pages)
+            lo, hi = self._empty_bounds(extra_pages)
             self.page_min, self.page_max = torch.cat([self.page_min, lo], 2), torch.cat([self.page_max, hi], 2)
 
     # ------------------------------------------------------------------ writes
@@ -182,7 +182,7 @@ class PagedShardStore:
         self.page_shard.view(-1).index_copy_(0, page_flat, shard_flat)
         self._add_to_summaries(keys, shard, count, present)
         if self.page_min is not None:
-            self._add_to_page_bounds(keys, page, present)
+            self._fold_bounds(self.page_min, self.page_max, keys, page.clamp(min=0), present)
         return slot if present is None else torch.where(present, slot, -1)
 
     def _add_to_summaries(
@@ -190,32 +190,30 @@ class PagedShardStore:
     ) -> None:
         """Fold ``[B, H, q, Dk]`` keys into their shards' sum / count / min / max."""
         k = keys.float()
-        idx = shard.unsqueeze(-1).expand_as(k)
-        if present is None:
-            lo = hi = k
-        else:
-            keep = present.unsqueeze(-1)
-            k = k * keep
-            lo = k.masked_fill(~keep, float("inf"))
-            hi = k.masked_fill(~keep, float("-inf"))
-        self.shard_sum.scatter_add_(2, idx, k)
+        if present is not None:
+            k = k * present.unsqueeze(-1)
+        self.shard_sum.scatter_add_(2, shard.unsqueeze(-1).expand_as(k), k)
         self.shard_count += count
-        self.shard_min.scatter_reduce_(2, idx, lo, "amin")
-        self.shard_max.scatter_reduce_(2, idx, hi, "amax")
+        self._fold_bounds(self.shard_min, self.shard_max, keys, shard, present)
 
-    def _add_to_page_bounds(self, keys: torch.Tensor, page: torch.Tensor, present: torch.Tensor | None) -> None:
-        """Fold ``[B, H, q, Dk]`` keys into the min / max of their pages (``page`` ``[B, H, q]``)."""
+    @staticmethod
+    def _fold_bounds(
+        lo: torch.Tensor, hi: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, present: torch.Tensor | None
+    ) -> None:
+        """Fold ``[B, H, q, Dk]`` keys into the element-wise min ``lo`` / max ``hi`` (``[B, H, N, Dk]``) of the sets
+        ``index`` (``[B, H, q]``) names; tokens with ``present`` False are skipped."""
         k = keys.float()
-        lo = hi = k
+        k_lo = k_hi = k
         if present is not None:
             keep = present.unsqueeze(-1)
-            lo, hi = k.masked_fill(~keep, float("inf")), k.masked_fill(~keep, float("-inf"))
-        idx = page.clamp(min=0).unsqueeze(-1).expand_as(k)
-        self.page_min.scatter_reduce_(2, idx, lo, "amin")
-        self.page_max.scatter_reduce_(2, idx, hi, "amax")
+            k_lo, k_hi = k.masked_fill(~keep, float("inf")), k.masked_fill(~keep, float("-inf"))
+        idx = index.unsqueeze(-1).expand_as(k)
+        lo.scatter_reduce_(2, idx, k_lo, "amin")
+        hi.scatter_reduce_(2, idx, k_hi, "amax")
 
-    def _empty_page_bounds(self, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.batch, self.heads, pages, self.k_dim)
+    def _empty_bounds(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, H, n, Dk]`` float32 min / max of ``n`` empty key sets (+inf / -inf)."""
+        shape = (self.batch, self.heads, n, self.k_dim)
         return (
             torch.full(shape, float("inf"), device=self.device),
             torch.full(shape, float("-inf"), device=self.device),
@@ -224,7 +222,6 @@ class PagedShardStore:
     def enable_page_bounds(self) -> None:
         """Keep per-page key min / max from now on (computed once here from the stored keys)."""
         if self.page_min is None:
-            self.page_min, self.page_max = self._empty_page_bounds(self.capacity_pages)
             self._rebuild_page_bounds()
 
     def _rebuild_page_bounds(self) -> None:
@@ -246,8 +243,7 @@ class PagedShardStore:
         shape = (self.batch, self.heads, self.num_shards)
         self.shard_sum = torch.zeros(*shape, self.k_dim, device=self.device)
         self.shard_count = torch.zeros(shape, dtype=torch.int64, device=self.device)
-        self.shard_min = torch.full((*shape, self.k_dim), float("inf"), device=self.device)
-        self.shard_max = torch.full((*shape, self.k_dim), float("-inf"), device=self.device)
+        self.shard_min, self.shard_max = self._empty_bounds(self.num_shards)
 
     def rebuild_summaries(self) -> None:
         """Recompute the shard summaries from the valid slots (after slots were invalidated)."""

@@ -147,6 +147,14 @@ class RulerSample:
         return asdict(self)
 
 
+def _contained(prediction: str, references: list[str]) -> list[bool]:
+    """Whether each reference occurs in the prediction, case-insensitively; references must be non-empty."""
+    if not references:
+        raise ValueError("references must be a non-empty list")
+    pred = prediction.lower()
+    return [ref.lower() in pred for ref in references]
+
+
 def string_match_all(prediction: str, references: list[str]) -> float:
     """Fraction of references contained in the prediction (case-insensitive).
 
@@ -162,10 +170,8 @@ def string_match_all(prediction: str, references: list[str]) -> float:
     float
         ``mean_r [r.lower() in prediction.lower()]``.
     """
-    if not references:
-        raise ValueError("references must be a non-empty list")
-    pred = prediction.lower()
-    return sum(ref.lower() in pred for ref in references) / len(references)
+    hits = _contained(prediction, references)
+    return sum(hits) / len(hits)
 
 
 def string_match_part(prediction: str, references: list[str]) -> float:
@@ -183,10 +189,7 @@ def string_match_part(prediction: str, references: list[str]) -> float:
     float
         ``max_r [r.lower() in prediction.lower()]``.
     """
-    if not references:
-        raise ValueError("references must be a non-empty list")
-    pred = prediction.lower()
-    return float(any(ref.lower() in pred for ref in references))
+    return float(any(_contained(prediction, references)))
 
 
 SCORERS: dict[str, Callable[[str, list[str]], float]] = {

@@ -41,7 +41,6 @@ METRICS = "metrics.json"
 RUN_CONFIG = "run_config.json"
 ABSTRACT_PRESSES = ("ScorerPress",)  # base classes without a scoring rule
 PIKV_MODES = {"pikv_routed": "routed", "pikv_quest": "quest"}  # decode attention modes of PiKVCache (--cache pikv)
-DENSE_SHARDS = 8  # PiKVCache's default shard count for a dense model
 
 
 @dataclass
@@ -142,15 +141,13 @@ class EvalConfig:
             raise ValueError(f"num_shards must be an integer >= 1, got {self.num_shards!r}")
         if self.n_sink < 0 or self.window < 1:
             raise ValueError(f"n_sink must be >= 0 and window >= 1, got {self.n_sink}, {self.window}")
-        if "pikv_routed" in self.presses:
-            from pikv_hf.routing import SELECTORS
+        if self.cache == "pikv":
+            from pikv_hf.cache import routed_settings
 
-            if self.selector not in SELECTORS:
-                raise ValueError(f"selector must be one of {', '.join(SELECTORS)}; got {self.selector!r}")
             shards = self.shards()
-            if shards is not None:
-                for ratio in self.ratios:
-                    self.top_k_shards(ratio, shards)
+            for press, ratio in self.points():
+                if press == "pikv_quest" or (press == "pikv_routed" and shards is not None):
+                    routed_settings(shards, measure_recall=False, **self.attention_args(press, ratio, shards))
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if not self.lengths or any(n < 64 for n in self.lengths):
@@ -164,21 +161,28 @@ class EvalConfig:
 
     def shards(self) -> int | None:
         """PiKVCache's shard count for the named models (None for a ``PATH`` model without ``num_shards``)."""
+        from pikv_hf.cache import DEFAULT_DENSE_SHARDS
+
         if self.num_shards is not None:
             return self.num_shards
-        return {"smollm2": DENSE_SHARDS, "smollm2-moe": self.num_experts}.get(self.model)
+        return {"smollm2": DEFAULT_DENSE_SHARDS, "smollm2-moe": self.num_experts}.get(self.model)
 
-    @staticmethod
-    def top_k_shards(ratio: float, shards: int) -> int:
-        """``k`` of ``pikv_routed`` at ``ratio`` (fraction of shards skipped): ``(1 - ratio) * shards``, which must
-        be a whole number in ``[1, shards]``."""
+    def attention_args(self, press: str, ratio: float, shards: int | None) -> dict:
+        """``PiKVCache.set_attention`` arguments of a ``--cache pikv`` point: ``none`` exact, ``pikv_routed``
+        ``top_k_shards = (1 - ratio) * shards`` (a whole number in ``[1, shards]``), ``pikv_quest``
+        ``read_fraction = 1 - ratio``."""
+        args = {"top_k_shards": None, "selector": self.selector, "n_sink": self.n_sink, "window": self.window}
+        if press == "none":
+            return {**args, "attention": "exact"}
+        if press == "pikv_quest":
+            return {**args, "attention": "quest", "read_fraction": 1.0 - ratio}
         k = round((1.0 - ratio) * shards)
         if k < 1 or abs((1.0 - ratio) * shards - k) > 1e-6:
             raise ValueError(
                 f"ratio {ratio} with pikv_routed must skip a whole number of the {shards} shards and keep at least "
                 f"one, i.e. ratio in {{j / {shards} : j = 0 .. {shards - 1}}}"
             )
-        return k
+        return {**args, "attention": "routed", "top_k_shards": k}
 
     def points(self) -> list[tuple[str, float]]:
         """(press, ratio) pairs to run: ``none`` once at ratio 0, every other press at every ratio."""
@@ -489,15 +493,10 @@ def pikv_decoders(model, config: EvalConfig, context_ids):
 
     base = PiKVCache(model, router=config.router, num_shards=config.num_shards)
     prefill(model, context_ids, None, base)
-    common = {"n_sink": config.n_sink, "window": config.window}
 
     def make(press_name: str, ratio: float):
         cache = base.fork()
-        if press_name == "pikv_routed":
-            k = config.top_k_shards(ratio, cache.num_shards)
-            cache.set_attention("routed", top_k_shards=k, selector=config.selector, **common)
-        elif press_name == "pikv_quest":
-            cache.set_attention("quest", read_fraction=1.0 - ratio, **common)
+        cache.set_attention(**config.attention_args(press_name, ratio, cache.num_shards))
         return cache
 
     return make
