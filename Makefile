@@ -48,13 +48,17 @@ eval-table: $(STAMP)
 
 # Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 # Routing quality (routing issue): exact vs routed (key_cluster + topk) vs Quest pages, needles at 2k and 4k,
-# 42 samples per point; query-aware sparse reads (~50 min on 2 cores).
+# 42 samples per point; query-aware sparse reads (~70 min on 2 cores). The third run is the top-p setting
+# (128 shards, pages of 4, layer 0 dense, mass target 0.93 with k/E = 1/2 or 1/4 as the cap).
 ROUTING_ARGS = --suite ruler --model smollm2 --cache pikv --router key_cluster --samples 14
 eval-routing: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --press none pikv_routed pikv_quest \
 		--ratio 0.75 0.875 --length 2048 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --num-shards 64 --press none pikv_routed \
 		--ratio 0.75 0.875 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_64shards
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --num-shards 128 --page-size 4 \
+		--dense-layers 1 --mass-target 0.93 --press none pikv_routed pikv_quest --ratio 0.5 0.75 --length 2048 \
+		--out $(EVAL_RESULTS)/routing_quality_smollm2_topp
 
 eval-assets: $(STAMP)
 	$(PY) -c "from pikv_hf.models import load_smollm2; load_smollm2()"

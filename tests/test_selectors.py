@@ -15,7 +15,7 @@ from pikv_hf.routing.adaptive import AdaptiveSelector
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.routing.eplb import EPLBSelector
 from pikv_hf.routing.hierarchical import HierarchicalSelector, cluster_shards
-from pikv_hf.routing.scores import bound_scores, centroid_scores, masked_topk
+from pikv_hf.routing.scores import bound_scores, centroid_scores, estimated_mass, masked_topk
 from pikv_hf.routing.selectors import SELECTORS, make_selector
 from pikv_hf.routing.topk import TopKSelector
 
@@ -94,6 +94,41 @@ def test_scores_match_independent_computation() -> None:
     best = dots.unsqueeze(3).masked_fill(~member.unsqueeze(2), -math.inf).amax(-1).amax(2)  # [B, H, S]
     assert (bound[..., [0, 1, 2, 4, 5, 6, 7]] >= best[..., [0, 1, 2, 4, 5, 6, 7]] - 1e-4).all()
     assert torch.isinf(bound[..., 3]).all()
+
+
+def test_estimated_mass_is_the_exact_share_when_shards_hold_copies_of_one_key() -> None:
+    # zero variance inside every shard: n * exp(s q.mu) is exactly the shard's unnormalised softmax mass
+    g = torch.Generator().manual_seed(5)
+    b, h, gq, s, d, scale = 2, 2, 3, 5, 8, 0.35
+    distinct = torch.randn(b, h, s, d, generator=g)
+    shard = torch.randint(0, s - 1, (b, h, 40), generator=g)  # shard s-1 stays empty
+    keys = distinct.gather(2, shard[..., None].expand(-1, -1, -1, d))
+    query = torch.randn(b, h, gq, d, generator=g)
+    summary = summarize(keys, shard, s)
+    summary.key_var = torch.zeros_like(summary.centroids)
+    probs = torch.softmax(scale * query @ keys.transpose(-1, -2), dim=-1)  # [B, H, G, N]
+    exact = (probs @ torch.nn.functional.one_hot(shard, s).float()).mean(2)  # [B, H, S]
+    share = estimated_mass(query, summary, scale)
+    assert torch.allclose(share, exact, atol=1e-5) and torch.all(share[..., -1] == 0)
+
+
+def test_estimated_mass_variance_term_matches_a_gaussian_shard() -> None:
+    # many keys drawn from N(mu, diag(var)): the Gaussian moment generating function gives each shard's mass
+    g = torch.Generator().manual_seed(6)
+    d, n, scale = 4, 20000, 0.5
+    mu = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, -0.5, 0.0, 0.5]])
+    std = torch.tensor([[1.5, 1.0, 0.5, 1.0], [0.2, 0.2, 0.2, 0.2]])
+    keys = (mu[:, None] + std[:, None] * torch.randn(2, n, d, generator=g)).reshape(1, 1, 2 * n, d)
+    shard = torch.arange(2).repeat_interleave(n).view(1, 1, -1)
+    query = torch.tensor([[[[1.0, -1.0, 0.5, 1.0]]]])
+    summary = summarize(keys, shard, 2)
+    member = torch.nn.functional.one_hot(shard, 2).transpose(-1, -2).float()
+    summary.key_var = (member @ keys.square()) / n - summary.centroids.square()
+    probs = torch.softmax(scale * query @ keys.transpose(-1, -2), dim=-1)
+    exact = (probs @ member.transpose(-1, -2)).mean(2)
+    assert (estimated_mass(query, summary, scale) - exact).abs().max() < 0.02
+    summary.key_var = torch.zeros_like(summary.centroids)  # without the variance term the estimate is far off
+    assert (estimated_mass(query, summary, scale) - exact).abs().max() > 0.1
 
 
 def test_masked_topk_prefers_priority_then_score_then_low_id() -> None:

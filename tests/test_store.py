@@ -108,8 +108,12 @@ def test_shard_summaries_follow_appends_invalidation_and_compaction():
         assert torch.equal(store.shard_count, count)
         assert torch.allclose(store.shard_sum, total, atol=1e-5)
         assert torch.equal(store.shard_min, lo) and torch.equal(store.shard_max, hi)
-        centroids = store.summary(torch.zeros_like(count)).centroids
-        assert torch.allclose(centroids, total / count.clamp(min=1)[..., None], atol=1e-6)
+        summary = store.summary(torch.zeros_like(count))
+        assert torch.allclose(summary.centroids, total / count.clamp(min=1)[..., None], atol=1e-6)
+        for bi, hi_, si in torch.cartesian_prod(torch.arange(b), torch.arange(h), torch.arange(s)).tolist():
+            members = k[bi, hi_][mask[bi, hi_] & (shard[bi, hi_] == si)]
+            var = members.var(0, unbiased=False) if len(members) else torch.zeros(d)
+            assert torch.allclose(summary.key_var[bi, hi_, si], var, atol=1e-5)
 
     check(mask)
     keep = mask.clone()

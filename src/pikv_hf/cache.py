@@ -33,7 +33,7 @@ from pikv_hf.routing import (
 )
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.routing.expert import num_experts_of
-from pikv_hf.routing.scores import upper_bounds
+from pikv_hf.routing.scores import estimated_mass, upper_bounds
 from pikv_hf.store import PagedShardStore
 
 DEFAULT_DENSE_SHARDS = 8
@@ -72,6 +72,13 @@ class RoutedAttention:
         Learning selectors (``adaptive``) get that recall as reward every ``reward_every`` routed steps.
     read_fraction : float or None
         Page mode (Quest): fraction of each (row, KV head)'s stored pages read per decode step, in ``(0, 1]``.
+    dense_layers : int
+        The first ``dense_layers`` decoder layers read every page at decode time (exact attention, counted as a
+        full read in the statistics), as Quest does for its first two layers, whose attention is not sparse.
+    mass_target : float or None
+        Shard mode: read, per (row, KV head), only the shortest prefix of the selector's ``top_k_shards`` ranked
+        shards whose estimated share of the attention mass (``pikv_hf.routing.scores.estimated_mass``) reaches
+        ``mass_target``; ``top_k_shards`` is then a cap and the number read adapts to each head and step (top-p).
     """
 
     top_k_shards: int | None
@@ -82,6 +89,8 @@ class RoutedAttention:
     reward_every: int = 16
     read_fraction: float | None = None
     selector_kwargs: dict = field(default_factory=dict)
+    dense_layers: int = 0
+    mass_target: float | None = None
 
 
 @dataclass
@@ -94,6 +103,7 @@ class RoutingStats:
     tokens_stored: int = 0
     pages_gathered: int = 0
     pages_stored: int = 0
+    slots_gathered: int = 0  # pages gathered x page size
     recall_sum: float = 0.0
     recall_heads: int = 0
 
@@ -103,6 +113,8 @@ class RoutingStats:
             "selected_tokens_per_head": self.tokens_attended / max(1, self.heads),
             "fraction_tokens_attended": self.tokens_attended / max(1, self.tokens_stored),
             "fraction_pages_read": self.pages_gathered / max(1, self.pages_stored),
+            # slots moved (empty slots of partly filled pages included) over the tokens a dense cache would read
+            "kv_read_vs_dense": self.slots_gathered / max(1, self.tokens_stored),
             "recall": self.recall_sum / self.recall_heads if self.recall_heads else float("nan"),
         }
 
@@ -302,8 +314,16 @@ class PiKVLayer(CacheLayerMixin):
         # pages holding sink or recent-window tokens are always read
         posp = st.pos.view(b, h, -1, p)
         special = (st.valid.view(b, h, -1, p) & ((posp < cfg.n_sink) | (posp > int(qpos[0]) - cfg.window))).any(-1)
-        if cfg.read_fraction is None:
-            summary, selected, chosen_shard, need = self._select_shards(qg, special)
+        summary = selected = None
+        if self.layer_idx < cfg.dense_layers:
+            need = st.page_shard >= 0
+
+            def selected_slots(shard: torch.Tensor, pos: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+                """A dense layer attends to every stored token."""
+                return read
+
+        elif cfg.read_fraction is None:
+            summary, selected, chosen_shard, need = self._select_shards(qg, scale, special)
 
             def selected_slots(shard: torch.Tensor, pos: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
                 """Slots of a selected shard, and sinks (``allowed_mask`` adds the window)."""
@@ -334,7 +354,8 @@ class PiKVLayer(CacheLayerMixin):
         stats.tokens_stored += int(st.valid.sum())
         stats.pages_gathered += int(n_read.sum())
         stats.pages_stored += int(st.n_pages.sum())
-        learn = self.selector is not None and self.selector.update is not Selector.update
+        stats.slots_gathered += int(n_read.sum()) * p
+        learn = selected is not None and self.selector.update is not Selector.update
         learn = learn and stats.steps % cfg.reward_every == 0
         if cfg.measure_recall or learn:
             kept = selected_slots(st.slot_shard(), st.pos, need.repeat_interleave(p, dim=-1))
@@ -346,12 +367,13 @@ class PiKVLayer(CacheLayerMixin):
         return out
 
     def _select_shards(
-        self, qg: torch.Tensor, special: torch.Tensor
+        self, qg: torch.Tensor, scale: float, special: torch.Tensor
     ) -> tuple[ShardSummary, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Shard selection for the ``[B, H, G, D]`` queries.
 
         Returns ``(summary, selected [B, H, k], chosen_shard [B, H, S] bool, pages to read [B, H, NP] bool)`` and
-        counts a miss for every selected shard that had lost tokens to eviction.
+        counts a miss for every selected shard that had lost tokens to eviction. With a mass target only a prefix
+        of ``selected`` is chosen (``chosen_shard``); ``selected`` keeps the selector's full answer.
         """
         st = self.store
         b, h, s = st.batch, st.heads, self.num_shards
@@ -359,7 +381,11 @@ class PiKVLayer(CacheLayerMixin):
             self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=st.device)
         summary = st.summary(self.misses)
         selected = self.selector.select(qg, summary, self.routed.top_k_shards)
-        chosen_shard = torch.zeros(b, h, s, dtype=torch.bool, device=st.device).scatter_(2, selected, True)
+        keep = torch.ones_like(selected, dtype=torch.bool)
+        if self.routed.mass_target is not None:  # shortest ranked prefix reaching the target (always >= 1 shard)
+            covered = estimated_mass(qg, summary, scale).gather(2, selected).cumsum(-1)
+            keep[..., 1:] = covered[..., :-1] < self.routed.mass_target
+        chosen_shard = torch.zeros(b, h, s, dtype=torch.bool, device=st.device).scatter_(2, selected, keep)
         if self.shard_evicted is not None:
             self.misses += (chosen_shard & (self.shard_evicted > 0)).long()
         in_shard = chosen_shard.gather(2, st.page_shard.clamp(min=0)) & (st.page_shard >= 0)
@@ -536,9 +562,13 @@ def routed_settings(
     measure_recall: bool,
     read_fraction: float | None = None,
     selector_kwargs: dict | None = None,
+    dense_layers: int = 0,
+    num_layers: int | None = None,
+    mass_target: float | None = None,
 ) -> RoutedAttention | None:
     """Validate the attention arguments of ``PiKVCache``; the ``RoutedAttention`` they ask for, or None (exact).
-    ``num_shards`` is only read for ``attention="routed"``."""
+    ``num_shards`` is only read for ``attention="routed"``; ``dense_layers`` is checked against ``num_layers``
+    when it is known."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}; got {attention!r}")
     if attention == "exact":
@@ -555,7 +585,13 @@ def routed_settings(
         except TypeError as err:
             raise ValueError(f"selector_kwargs {selector_kwargs} do not fit selector {selector!r}: {err}") from None
         read_fraction = None
+        if mass_target is not None and (
+            isinstance(mass_target, bool) or not isinstance(mass_target, (int, float)) or not 0 < mass_target <= 1
+        ):
+            raise ValueError(f"mass_target must be None or a number in (0, 1], got {mass_target!r}")
     else:
+        if mass_target is not None:
+            raise ValueError("mass_target applies to attention='routed' (shard selection) only; got attention='quest'")
         if isinstance(read_fraction, bool) or not isinstance(read_fraction, (int, float)) or not 0 < read_fraction <= 1:
             raise ValueError(f"read_fraction must be a number in (0, 1] for attention='quest', got {read_fraction!r}")
         top_k_shards, read_fraction = None, float(read_fraction)
@@ -563,6 +599,9 @@ def routed_settings(
         raise ValueError(f"n_sink must be an integer >= 0, got {n_sink!r}")
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    most = num_layers if num_layers is not None else "the number of layers"
+    if not isinstance(dense_layers, int) or not 0 <= dense_layers <= (num_layers or dense_layers):
+        raise ValueError(f"dense_layers must be an integer in [0, {most}], got {dense_layers!r}")
     return RoutedAttention(
         top_k_shards,
         selector,
@@ -571,6 +610,8 @@ def routed_settings(
         measure_recall,
         read_fraction=read_fraction,
         selector_kwargs=selector_kwargs or {},
+        dense_layers=dense_layers,
+        mass_target=None if mass_target is None else float(mass_target),
     )
 
 
@@ -611,6 +652,11 @@ class PiKVCache(Cache):
         Quest mode: fraction of each (row, KV head)'s pages read per decode step, in ``(0, 1]``.
     selector_kwargs : dict, optional
         Constructor arguments of the selector (e.g. ``{"score": "bound"}``).
+    dense_layers : int
+        Routed / Quest mode: the first ``dense_layers`` layers keep exact decode attention (default 0).
+    mass_target : float, optional
+        Routed mode: read only the shortest prefix of the ``top_k_shards`` ranked shards whose estimated share of
+        the attention mass reaches this value, in ``(0, 1]`` (top-p; ``top_k_shards`` becomes a cap).
 
     Examples
     --------
@@ -634,6 +680,8 @@ class PiKVCache(Cache):
         measure_recall: bool = False,
         read_fraction: float | None = None,
         selector_kwargs: dict | None = None,
+        dense_layers: int = 0,
+        mass_target: float | None = None,
     ) -> None:
         is_model = isinstance(model, nn.Module)
         config = model.config if is_model else model
@@ -662,6 +710,9 @@ class PiKVCache(Cache):
             measure_recall,
             read_fraction,
             selector_kwargs,
+            dense_layers,
+            text_config.num_hidden_layers,
+            mass_target,
         )
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
@@ -689,6 +740,8 @@ class PiKVCache(Cache):
         measure_recall: bool = False,
         read_fraction: float | None = None,
         selector_kwargs: dict | None = None,
+        dense_layers: int = 0,
+        mass_target: float | None = None,
     ) -> None:
         """Switch every layer between exact, routed and quest decode attention (arguments as in the constructor).
 
@@ -705,6 +758,9 @@ class PiKVCache(Cache):
                 measure_recall,
                 read_fraction,
                 selector_kwargs,
+                dense_layers,
+                len(self.layers),
+                mass_target,
             )
         )
 

@@ -26,6 +26,7 @@ n_pages       ``[B, H]``          int64, pages in use
 open_page     ``[B, H, S]``       int64, each shard's open page (-1 none)
 open_fill     ``[B, H, S]``       int64, tokens in that page
 shard_sum     ``[B, H, S, Dk]``   float32, sum of the shard's valid keys
+shard_sq      ``[B, H, S, Dk]``   float32, sum of their squares (per-dimension key variance)
 shard_count   ``[B, H, S]``       int64, valid tokens of the shard
 shard_min     ``[B, H, S, Dk]``   float32, element-wise min of its keys
 shard_max     ``[B, H, S, Dk]``   float32, element-wise max of its keys
@@ -45,7 +46,7 @@ import torch
 from pikv_hf.routing.base import ShardSummary
 
 _SLOT_FIELDS = ("keys", "values", "pos", "valid", "attn_mass", "last_access", "hits")
-_SUMMARY_FIELDS = ("shard_sum", "shard_count", "shard_min", "shard_max")
+_SUMMARY_FIELDS = ("shard_sum", "shard_sq", "shard_count", "shard_min", "shard_max")
 _BATCH_FIELDS = (*_SLOT_FIELDS, "page_shard", "n_pages", "open_page", "open_fill", *_SUMMARY_FIELDS)
 _STAT_FIELDS = ("attn_mass", "last_access", "hits")
 
@@ -188,11 +189,13 @@ class PagedShardStore:
     def _add_to_summaries(
         self, keys: torch.Tensor, shard: torch.Tensor, count: torch.Tensor, present: torch.Tensor | None
     ) -> None:
-        """Fold ``[B, H, q, Dk]`` keys into their shards' sum / count / min / max."""
+        """Fold ``[B, H, q, Dk]`` keys into their shards' sum / sum of squares / count / min / max."""
         k = keys.float()
         if present is not None:
             k = k * present.unsqueeze(-1)
-        self.shard_sum.scatter_add_(2, shard.unsqueeze(-1).expand_as(k), k)
+        idx = shard.unsqueeze(-1).expand_as(k)
+        self.shard_sum.scatter_add_(2, idx, k)
+        self.shard_sq.scatter_add_(2, idx, k * k)
         self.shard_count += count
         self._fold_bounds(self.shard_min, self.shard_max, keys, shard, present)
 
@@ -242,6 +245,7 @@ class PagedShardStore:
         """Empty shard summaries for the current batch and heads."""
         shape = (self.batch, self.heads, self.num_shards)
         self.shard_sum = torch.zeros(*shape, self.k_dim, device=self.device)
+        self.shard_sq = torch.zeros_like(self.shard_sum)
         self.shard_count = torch.zeros(shape, dtype=torch.int64, device=self.device)
         self.shard_min, self.shard_max = self._empty_bounds(self.num_shards)
 
@@ -330,13 +334,16 @@ class PagedShardStore:
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The shards as a selector sees them (every shard is resident: no offload tier yet)."""
         count = self.shard_count
+        n = count.clamp(min=1).unsqueeze(-1)
+        centroids = self.shard_sum / n
         return ShardSummary(
-            centroids=self.shard_sum / count.clamp(min=1).unsqueeze(-1),
+            centroids=centroids,
             counts=count,
             key_min=self.shard_min,
             key_max=self.shard_max,
             resident=torch.ones_like(count, dtype=torch.bool),
             misses=misses,
+            key_var=(self.shard_sq / n - centroids.square()).clamp(min=0),
         )
 
     def gather_pages(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -71,6 +71,13 @@ class EvalConfig:
         Selection router of ``pikv_routed``.
     n_sink, window : int
         Sink and recent-window tokens always read by ``pikv_routed`` / ``pikv_quest``.
+    page_size : int
+        PiKVCache tokens per page.
+    dense_layers : int
+        Leading layers that keep exact decode attention in ``pikv_routed`` / ``pikv_quest`` (read in full).
+    mass_target : float or None
+        ``pikv_routed``: read the ranked shards until their estimated attention mass reaches this value (top-p;
+        the ``top_k_shards`` of the ratio is then a cap).
     samples : int
         Samples per task (and per length, press and ratio).
     lengths : list of int
@@ -96,6 +103,9 @@ class EvalConfig:
     selector: str = "topk"
     n_sink: int = 4
     window: int = 64
+    page_size: int = 16
+    dense_layers: int = 0
+    mass_target: float | None = None
     samples: int = 20
     lengths: list[int] = field(default_factory=lambda: [2048])
     tasks: str = "needle"
@@ -141,6 +151,8 @@ class EvalConfig:
             raise ValueError(f"num_shards must be an integer >= 1, got {self.num_shards!r}")
         if self.n_sink < 0 or self.window < 1:
             raise ValueError(f"n_sink must be >= 0 and window >= 1, got {self.n_sink}, {self.window}")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.cache == "pikv":
             from pikv_hf.cache import routed_settings
 
@@ -174,6 +186,7 @@ class EvalConfig:
         args = {"top_k_shards": None, "selector": self.selector, "n_sink": self.n_sink, "window": self.window}
         if press == "none":
             return {**args, "attention": "exact"}
+        args["dense_layers"] = self.dense_layers
         if press == "pikv_quest":
             return {**args, "attention": "quest", "read_fraction": 1.0 - ratio}
         k = round((1.0 - ratio) * shards)
@@ -182,7 +195,7 @@ class EvalConfig:
                 f"ratio {ratio} with pikv_routed must skip a whole number of the {shards} shards and keep at least "
                 f"one, i.e. ratio in {{j / {shards} : j = 0 .. {shards - 1}}}"
             )
-        return {**args, "attention": "routed", "top_k_shards": k}
+        return {**args, "attention": "routed", "top_k_shards": k, "mass_target": self.mass_target}
 
     def points(self) -> list[tuple[str, float]]:
         """(press, ratio) pairs to run: ``none`` once at ratio 0, every other press at every ratio."""
@@ -200,12 +213,19 @@ class EvalConfig:
             "model": self.model,
             "cache": self.cache,
             "router": self.router if self.cache == "pikv" else None,
-            "pikv": [self.num_shards, self.selector, self.n_sink, self.window] if self.cache == "pikv" else None,
+            "pikv": self._pikv_fingerprint() if self.cache == "pikv" else None,
             "seed": self.seed,
             "num_experts": self.num_experts if self.model == "smollm2-moe" else None,
             "top_k": self.top_k if self.model == "smollm2-moe" else None,
             "longbench_dir": self.longbench_dir,
         }
+
+    def _pikv_fingerprint(self) -> list:
+        """PiKVCache settings; the later options only when set, so directories of earlier runs still resume."""
+        extra = {"page_size": (self.page_size, 16), "dense_layers": (self.dense_layers, 0)}
+        extra["mass_target"] = (self.mass_target, None)
+        later = [f"{name}={value}" for name, (value, default) in extra.items() if value != default]
+        return [self.num_shards, self.selector, self.n_sink, self.window, *later]
 
 
 def press_names() -> dict[str, str]:
@@ -491,7 +511,7 @@ def pikv_decoders(model, config: EvalConfig, context_ids):
     """
     from pikv_hf import PiKVCache
 
-    base = PiKVCache(model, router=config.router, num_shards=config.num_shards)
+    base = PiKVCache(model, router=config.router, num_shards=config.num_shards, page_size=config.page_size)
     prefill(model, context_ids, None, base)
 
     def make(press_name: str, ratio: float):
@@ -621,7 +641,7 @@ def _protocol(config: EvalConfig) -> dict:
 def _aggregate(rows: list[dict]) -> dict:
     """``n``, mean score in percent and, for routed / Quest rows, the mean fractions read and attended."""
     out = {"n": len(rows), "score": 100.0 * sum(r["score"] for r in rows) / len(rows)}
-    for name in ("fraction_pages_read", "fraction_tokens_attended"):
+    for name in ("fraction_pages_read", "fraction_tokens_attended", "kv_read_vs_dense"):
         if all(name in r for r in rows):
             out[name] = sum(r[name] for r in rows) / len(rows)
     return out
@@ -783,6 +803,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                             read = {
                                 "fraction_pages_read": round(stats["fraction_pages_read"], 4),
                                 "fraction_tokens_attended": round(stats["fraction_tokens_attended"], 4),
+                                "kv_read_vs_dense": round(stats["kv_read_vs_dense"], 4),
                             }
                     else:
                         if press is None or replayable(press):

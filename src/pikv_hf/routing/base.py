@@ -81,6 +81,8 @@ class ShardSummary:
     misses : torch.Tensor
         ``[B, H, S]`` int64 misses counted by the cache: a selected shard that was not resident, or whose pages
         had been evicted.
+    key_var : torch.Tensor, optional
+        ``[B, H, S, D]`` float32 per-dimension variance of the shard's keys (zeros for an empty shard).
     """
 
     centroids: torch.Tensor
@@ -89,6 +91,7 @@ class ShardSummary:
     key_max: torch.Tensor
     resident: torch.Tensor
     misses: torch.Tensor
+    key_var: torch.Tensor | None = None
 
     @property
     def num_shards(self) -> int:

@@ -1,4 +1,4 @@
-"""Key-cluster placement: each token goes to the shard whose running key centroid is nearest."""
+"""Key-cluster placement: each token goes to the shard whose key centroid is nearest."""
 
 from __future__ import annotations
 
@@ -8,19 +8,32 @@ from pikv_hf.routing.base import Placement, PlacementContext
 
 
 class KeyClusterPlacement(Placement):
-    """Online k-means (MacQueen) over post-RoPE keys, per batch row and KV head.
+    """k-means over post-RoPE keys, per batch row and KV head: Lloyd iterations within a chunk, running means across.
 
     State: ``centroids [B, H, S, D]`` (float32) and ``counts [B, H, S]``. The first ``S`` tokens a layer sees seed
-    the centroids (evenly spaced within the chunk that brings them); every token is then assigned to the nearest
-    initialised centroid in squared L2 distance, and each centroid becomes the exact running mean of the keys
-    assigned to it (``c <- c + (sum_new - n * c) / (count + n)``). Deterministic; no Python loop over tokens.
+    the centroids (evenly spaced within the chunk that brings them). Tokens stored by earlier chunks keep their
+    shard (their KV is already paged there); the tokens of a new chunk go through up to ``iters`` Lloyd steps:
+    assign each to the nearest initialised centroid in squared L2 distance, then set every centroid to the exact
+    mean of all keys assigned to it so far (earlier chunks' and this chunk's), until no assignment changes. Each
+    step can only lower the k-means objective, so a prefill gets real clusters, while a one-token decode step is a
+    single assignment and running-mean update (MacQueen). Deterministic; no Python loop over tokens.
     Key clusters carry the most recall signal of the three placements (REFERENCE.md section 4).
+
+    Parameters
+    ----------
+    num_shards : int
+        Shards ``S`` per batch row and KV head.
+    iters : int
+        Most Lloyd steps per chunk (default 8; 1 gives online k-means, one assignment per token).
     """
 
     name = "key_cluster"
 
-    def __init__(self, num_shards: int) -> None:
+    def __init__(self, num_shards: int, iters: int = 8) -> None:
         super().__init__(num_shards)
+        if not isinstance(iters, int) or iters < 1:
+            raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
+        self.iters = iters
         self.reset()
 
     def reset(self) -> None:
@@ -45,12 +58,19 @@ class KeyClusterPlacement(Placement):
             idx = torch.linspace(0, q - 1, m, device=keys.device).round().long()
             self.centroids[:, :, self.n_init : self.n_init + m] = keys[:, :, idx]
             self.n_init += m
-        dist = torch.cdist(keys, self.centroids[:, :, : self.n_init])  # [B,H,q,n_init]
-        shard = dist.argmin(-1)
-        onehot = torch.nn.functional.one_hot(shard, s).to(keys.dtype)  # [B,H,q,S]
-        n = onehot.sum(2)  # [B,H,S]
-        sums = onehot.transpose(2, 3) @ keys  # [B,H,S,D]
-        total = (self.counts + n).clamp(min=1).unsqueeze(-1).to(keys.dtype)
-        self.centroids = self.centroids + (sums - n.unsqueeze(-1) * self.centroids) / total
-        self.counts = self.counts + n.long()
+        prior_n = self.counts.unsqueeze(-1).to(keys.dtype)  # [B,H,S,1]: earlier chunks' tokens stay put
+        prior_sum = self.centroids * prior_n
+        centroids, shard = self.centroids, None
+        for _ in range(self.iters if q > 1 else 1):
+            new = torch.cdist(keys, centroids[:, :, : self.n_init]).argmin(-1)  # [B,H,q]
+            if shard is not None and torch.equal(new, shard):
+                break
+            shard = new
+            onehot = torch.nn.functional.one_hot(shard, s).to(keys.dtype)  # [B,H,q,S]
+            n = onehot.sum(2).unsqueeze(-1)  # [B,H,S,1]
+            total = prior_n + n
+            mean = (prior_sum + onehot.transpose(2, 3) @ keys) / total.clamp(min=1)
+            centroids = torch.where(total > 0, mean, self.centroids)  # a seed nothing joined keeps its key
+        self.centroids = centroids
+        self.counts = self.counts + n.squeeze(-1).long()
         return shard

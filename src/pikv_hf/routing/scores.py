@@ -12,6 +12,8 @@ Shapes use ``B`` batch, ``H`` KV heads, ``G`` query rows per KV head, ``S`` shar
   scores scale linearly with a positive scale of the query, so standardising them over a row's non-empty shards
   makes every selector scale-invariant, and penalties added to these log-probabilities are in units of one
   standard deviation of the row's scores.
+* ``estimated_mass``: each shard's expected share of the softmax attention mass under a diagonal Gaussian model
+  of its keys (mean and per-dimension variance); used to size a routed read by a mass target (top-p).
 * ``masked_topk``: ``k`` distinct ids per row, higher ``priority`` tier first (non-empty shards before empty
   ones), then higher score, ties to the lower id.
 """
@@ -98,6 +100,40 @@ def upper_bounds(
     key_min = key_min.float().masked_fill(empty[..., None], 0.0)
     bound = q.clamp(min=0) @ key_max.transpose(-1, -2) + q.clamp(max=0) @ key_min.transpose(-1, -2)
     return bound.amax(dim=-2).masked_fill(empty, float("-inf"))
+
+
+def estimated_mass(query: torch.Tensor, summary: ShardSummary, scale: float) -> torch.Tensor:
+    """Expected share of each shard in the attention mass of the query rows, averaged over the rows.
+
+    A shard of ``n`` keys with mean ``mu`` and per-dimension variance ``var`` gets the moment generating function
+    of a diagonal Gaussian, ``n * E[exp(s q.k)] = n * exp(s q.mu + s^2/2 * sum_d q_d^2 var_d)`` with ``s`` the
+    softmax scale; shares are normalised over the shards for every query row, then averaged over the ``G`` rows
+    (the mass a KV head's reads must cover). Without the variance term the estimate is too sharp (Jensen), and
+    a mass target would stop too early. The idea of sizing a sparse read by mass (top-p) rather than a fixed
+    count follows Lin et al., "Twilight: Adaptive Attention Sparsity with Hierarchical Top-p Pruning", 2025.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[B, H, G, D]`` queries.
+    summary : ShardSummary
+        Needs ``centroids``, ``counts`` and ``key_var``.
+    scale : float
+        Softmax scale of the attention (``1 / sqrt(D)`` for most models).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, H, S]`` float32 shares in ``[0, 1]`` summing to 1 over the non-empty shards; 0 for empty shards.
+    """
+    if summary.key_var is None:
+        raise ValueError("summary.key_var is required to estimate attention mass")
+    q = query.float()
+    logit = scale * (q @ summary.centroids.float().transpose(-1, -2))
+    logit = logit + 0.5 * scale**2 * (q.square() @ summary.key_var.float().transpose(-1, -2))
+    empty = (summary.counts == 0).unsqueeze(-2)
+    logit = (logit + summary.counts.clamp(min=1).float().log().unsqueeze(-2)).masked_fill(empty, float("-inf"))
+    return torch.softmax(logit, dim=-1).mean(dim=-2)
 
 
 def query_scores(query: torch.Tensor, summary: ShardSummary, kind: str) -> torch.Tensor:
