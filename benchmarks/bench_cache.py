@@ -45,15 +45,13 @@ def read_bandwidth_gbs(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return n_bytes / best / 1e9
 
 
-def run_metadata(threads: int, bandwidth_gbs: float) -> dict:
-    """The ``machine`` and ``versions`` entries every benchmark JSON carries."""
+def run_metadata(threads: int, bandwidth_gbs: float | None = None) -> dict:
+    """The ``machine`` and ``versions`` entries every benchmark JSON carries (the read bandwidth when measured)."""
+    machine = {"device": "cpu", "processor": platform.processor() or platform.machine(), "threads": threads}
+    if bandwidth_gbs is not None:
+        machine["read_bandwidth_gbs"] = bandwidth_gbs
     return {
-        "machine": {
-            "device": "cpu",
-            "processor": platform.processor() or platform.machine(),
-            "threads": threads,
-            "read_bandwidth_gbs": bandwidth_gbs,
-        },
+        "machine": machine,
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

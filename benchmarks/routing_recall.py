@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import torch
+from bench_cache import run_metadata
 
-import pikv_hf
 from pikv_hf import PiKVCache
 from pikv_hf.routing import SELECTORS
 
@@ -162,7 +162,7 @@ def main() -> None:
             "budget": "per KV head (SmolLM2: 3 KV heads, 9 query heads)",
             "query_aware": True,
         },
-        "versions": {"torch": torch.__version__, "pikv_hf": pikv_hf.__version__},
+        **run_metadata(args.threads),
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

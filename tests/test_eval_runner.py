@@ -207,6 +207,12 @@ def _points(rows):
             "must skip a whole number of the 8 shards",
         ),
         (["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--selector", "x"], "selector must be"),
+        (["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--window", "0"], "window must be"),
+        (["--suite", "ruler", "--cache", "pikv", "--press", "pikv_quest", "--n-sink", "-1"], "n_sink must be"),
+        (
+            ["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--mass-target", "1.5"],
+            r"mass_target must be None or a number in \(0, 1\]",
+        ),
         (["--suite", "ruler", "--cache", "paged"], "cache must be one of"),
         (["--suite", "ruler", "--samples", "0"], "samples must be >= 1"),
         (["--suite", "ruler", "--tasks", "nope"], "unknown RULER task 'nope'"),

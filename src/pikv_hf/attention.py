@@ -126,7 +126,6 @@ def masked_attention(
     sinks: torch.Tensor | None = None,
     groups: list[torch.Tensor] | None = None,
     mass_out: torch.Tensor | None = None,
-    routed: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Exact GQA attention of new queries over stored slots, per key group, merged by log-sum-exp.
 
@@ -152,9 +151,6 @@ def masked_attention(
     mass_out : torch.Tensor, optional
         ``[B, H, C]`` float32; when given, the attention probability each slot received (summed over the query
         rows of its KV head) is added to it.
-    routed : (torch.Tensor, int), optional
-        Routed-attention restriction passed to ``allowed_mask``.
-
     Returns
     -------
     torch.Tensor
@@ -174,7 +170,7 @@ def masked_attention(
         # K @ q^T is ~30% faster than q @ K^T for a few query rows on CPU BLAS; the transpose back is a view
         scores = torch.matmul(keys, qc.reshape(b, h, g * n, dk).transpose(-1, -2)).transpose(-1, -2)
         scores = scores.float().mul_(scale)
-        allowed = allowed_mask(valid, pos, qpos[start : start + chunk], sliding_window, routed).unsqueeze(2)
+        allowed = allowed_mask(valid, pos, qpos[start : start + chunk], sliding_window).unsqueeze(2)
         scores5 = scores.view(b, h, g, n, c)
         parts = []
         for group in groups or [None]:

@@ -342,11 +342,9 @@ class PiKVLayer(CacheLayerMixin):
         read = need.gather(2, pages).repeat_interleave(p, dim=-1)
         valid = part["valid"] & read
         chosen = selected_slots(part["shard"], part["pos"], read)
-        routed = (chosen, cfg.window)
-        out = masked_attention(
-            query, part["keys"], part["values"], valid, part["pos"], qpos, scale, sliding_window, sinks, routed=routed
-        )
-        attended = allowed_mask(valid, part["pos"], qpos, sliding_window, routed).any(2)
+        # one decode row: the routed restriction becomes the slot mask of an ordinary masked attention
+        attended = allowed_mask(valid, part["pos"], qpos, sliding_window, (chosen, cfg.window))[:, :, 0]
+        out = masked_attention(query, part["keys"], part["values"], attended, part["pos"], qpos, scale, sinks=sinks)
         stats = self.routing_stats
         stats.steps += 1
         stats.heads += b * h
@@ -554,6 +552,7 @@ def _expert_tap(model: nn.Module) -> ExpertTap:
 
 def routed_settings(
     num_shards: int | None,
+    *,
     attention: str,
     top_k_shards: int | None,
     selector: str,
@@ -603,11 +602,11 @@ def routed_settings(
     if not isinstance(dense_layers, int) or not 0 <= dense_layers <= (num_layers or dense_layers):
         raise ValueError(f"dense_layers must be an integer in [0, {most}], got {dense_layers!r}")
     return RoutedAttention(
-        top_k_shards,
-        selector,
-        n_sink,
-        window,
-        measure_recall,
+        top_k_shards=top_k_shards,
+        selector=selector,
+        n_sink=n_sink,
+        window=window,
+        measure_recall=measure_recall,
         read_fraction=read_fraction,
         selector_kwargs=selector_kwargs or {},
         dense_layers=dense_layers,
@@ -702,17 +701,17 @@ class PiKVCache(Cache):
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
         routed = routed_settings(
             num_shards,
-            attention,
-            top_k_shards,
-            selector,
-            n_sink,
-            window,
-            measure_recall,
-            read_fraction,
-            selector_kwargs,
-            dense_layers,
-            text_config.num_hidden_layers,
-            mass_target,
+            attention=attention,
+            top_k_shards=top_k_shards,
+            selector=selector,
+            n_sink=n_sink,
+            window=window,
+            measure_recall=measure_recall,
+            read_fraction=read_fraction,
+            selector_kwargs=selector_kwargs,
+            dense_layers=dense_layers,
+            num_layers=text_config.num_hidden_layers,
+            mass_target=mass_target,
         )
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
@@ -750,17 +749,17 @@ class PiKVCache(Cache):
         self._apply_routed(
             routed_settings(
                 self.num_shards,
-                attention,
-                top_k_shards,
-                selector,
-                n_sink,
-                window,
-                measure_recall,
-                read_fraction,
-                selector_kwargs,
-                dense_layers,
-                len(self.layers),
-                mass_target,
+                attention=attention,
+                top_k_shards=top_k_shards,
+                selector=selector,
+                n_sink=n_sink,
+                window=window,
+                measure_recall=measure_recall,
+                read_fraction=read_fraction,
+                selector_kwargs=selector_kwargs,
+                dense_layers=dense_layers,
+                num_layers=len(self.layers),
+                mass_target=mass_target,
             )
         )
 

@@ -149,8 +149,6 @@ class EvalConfig:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
         if self.num_shards is not None and (not isinstance(self.num_shards, int) or self.num_shards < 1):
             raise ValueError(f"num_shards must be an integer >= 1, got {self.num_shards!r}")
-        if self.n_sink < 0 or self.window < 1:
-            raise ValueError(f"n_sink must be >= 0 and window >= 1, got {self.n_sink}, {self.window}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.cache == "pikv":
