@@ -46,11 +46,12 @@ eval-table: $(STAMP)
 	$(PY) eval/make_table.py $(EVAL_RESULTS)/ruler2k_smollm2 $(EVAL_RESULTS)/ruler2k_smollm2-moe \
 		--json $(EVAL_RESULTS)/ruler2k_table.json --png $(EVAL_RESULTS)/ruler2k_table.png
 
-# Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 # Routing quality (routing issue): exact vs routed (key_cluster + topk) vs Quest pages, needles at 2k and 4k,
-# 42 samples per point; query-aware sparse reads (~70 min on 2 cores). The third run is the top-p setting
-# (128 shards, pages of 4, layer 0 dense, mass target 0.93 with k/E = 1/2 or 1/4 as the cap).
+# 42 samples per point; query-aware sparse reads (~3 h on 2 cores). The third run is the top-p setting
+# (128 shards, pages of 4, layer 0 dense, mass target 0.93 with k/E = 1/2 or 1/4 as the cap) at 2k; the later
+# runs are that setting at 4k, the 0.97 mass target with caps 1/2, 1/4 and 3/16, and Quest at 4k.
 ROUTING_ARGS = --suite ruler --model smollm2 --cache pikv --router key_cluster --samples 14
+TOPP_ARGS = --num-shards 128 --page-size 4 --dense-layers 1
 eval-routing: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --press none pikv_routed pikv_quest \
 		--ratio 0.75 0.875 --length 2048 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2
@@ -59,7 +60,16 @@ eval-routing: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --num-shards 128 --page-size 4 \
 		--dense-layers 1 --mass-target 0.93 --press none pikv_routed pikv_quest --ratio 0.5 0.75 --length 2048 \
 		--out $(EVAL_RESULTS)/routing_quality_smollm2_topp
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --mass-target 0.93 \
+		--press none pikv_routed --ratio 0.5 --length 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2_topp_4k
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --mass-target 0.97 \
+		--press pikv_routed --ratio 0.5 --length 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_4k
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --mass-target 0.97 \
+		--press pikv_routed --ratio 0.75 0.8125 --length 2048 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2_topp97
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --press pikv_quest \
+		--ratio 0.75 --length 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2_quest_4k
 
+# Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 eval-assets: $(STAMP)
 	$(PY) -c "from pikv_hf.models import load_smollm2; load_smollm2()"
 
