@@ -57,9 +57,8 @@ eval-routing: $(STAMP)
 		--ratio 0.75 0.875 --length 2048 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --num-shards 64 --press none pikv_routed \
 		--ratio 0.75 0.875 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_64shards
-	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --num-shards 128 --page-size 4 \
-		--dense-layers 1 --mass-target 0.93 --press none pikv_routed pikv_quest --ratio 0.5 0.75 --length 2048 \
-		--out $(EVAL_RESULTS)/routing_quality_smollm2_topp
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --mass-target 0.93 \
+		--press none pikv_routed pikv_quest --ratio 0.5 0.75 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_topp
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --mass-target 0.93 \
 		--press none pikv_routed --ratio 0.5 --length 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2_topp_4k
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --mass-target 0.97 \

@@ -149,6 +149,11 @@ class EvalConfig:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
         if self.num_shards is not None and (not isinstance(self.num_shards, int) or self.num_shards < 1):
             raise ValueError(f"num_shards must be an integer >= 1, got {self.num_shards!r}")
+        # also for runs that never reach routed_settings (dynamic cache, a PATH model without num_shards)
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.cache == "pikv":
