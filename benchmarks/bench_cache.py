@@ -45,11 +45,21 @@ def read_bandwidth_gbs(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     return n_bytes / best / 1e9
 
 
-def run_metadata(threads: int, bandwidth_gbs: float | None = None) -> dict:
-    """The ``machine`` and ``versions`` entries every benchmark JSON carries (the read bandwidth when measured)."""
+def matmul_gflops(n: int = 2048, repeats: int = 3) -> float:
+    """Best-of-``repeats`` fp32 throughput of an ``n x n x n`` matmul, in GFLOP/s (the compute roof)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best / 1e9
+
+
+def run_metadata(threads: int, bandwidth_gbs: float | None = None, matmul_gflops: float | None = None) -> dict:
+    """The ``machine`` and ``versions`` entries every benchmark JSON carries (bandwidth and FLOP rate when measured)."""
     machine = {"device": "cpu", "processor": platform.processor() or platform.machine(), "threads": threads}
     if bandwidth_gbs is not None:
         machine["read_bandwidth_gbs"] = bandwidth_gbs
+    if matmul_gflops is not None:
+        machine["matmul_gflops"] = matmul_gflops
     return {
         "machine": machine,
         "versions": {

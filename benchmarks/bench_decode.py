@@ -9,7 +9,10 @@ Then, side by side in one process:
   tensors, ``PiKVLayer.attend`` for PiKVCache;
 * ``bound_ms``: that attention's bytes read / measured read bandwidth. Bytes read = K+V of every stored token
   (DynamicCache, exact: slots incl. headroom), or K+V of the selected pages read once (routed: the ideal fused
-  kernel; the torch path here copies them with a gather first, so it moves about 3x those bytes).
+  kernel; the torch path here copies them with a gather first, so it moves about 3x those bytes);
+* ``compute_ms``: that attention's FLOPs (``4 * Hq * keys * head_dim``: ``q.k`` and ``p.v``) / the measured fp32
+  matmul rate, and ``roofline_ms = max(bound_ms, compute_ms)``. With 8 query heads per KV head in fp32 the
+  arithmetic intensity is 4 FLOP/byte, so on one CPU core the compute roof, not the bandwidth, is the binding one.
 
 Realistic attention sizes: 32 query heads, 4 KV heads, head_dim 128, 4 layers. Selection on random keys carries
 no signal: this measures speed only (quality is in routing_recall.py and the eval harness).
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import CONFIG, read_bandwidth_gbs, run_metadata
+from bench_cache import CONFIG, matmul_gflops, read_bandwidth_gbs, run_metadata
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -52,7 +55,7 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench_context(model, ref, context: int, args, bandwidth: float) -> dict:
+def bench_context(model, ref, context: int, args, bandwidth: float, gflops: float) -> dict:
     gen = torch.Generator().manual_seed(context)
     hq, hkv, d = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"], CONFIG["head_dim"]
     query = torch.randn(1, hq, 1, d, generator=gen)
@@ -70,6 +73,7 @@ def bench_context(model, ref, context: int, args, bandwidth: float) -> dict:
             args.repeats,
         ),
         "attn_bytes": layer0.keys.nbytes + layer0.values.nbytes,
+        "attn_keys": context,
     }
     with torch.no_grad():
         out["dynamic"]["step_ms"] = median_ms(lambda: ref(token, past_key_values=dyn), args.steps)
@@ -81,30 +85,36 @@ def bench_context(model, ref, context: int, args, bandwidth: float) -> dict:
         layer = cache.layers[0]
         layer.update(new_kv, new_kv, None)  # one decode token; attend() reads the store without changing it
         attn_ms = median_ms(lambda layer=layer: layer.attend(query, d**-0.5, None, None, None), args.repeats)
+        workspace = layer.store.workspace_nbytes()  # gather scratch held between steps (routed only)
         layer.crop(context)
         st = layer.store
         page_bytes = st.page_size * (st.k_dim + st.v_dim) * st.keys.element_size()
         if mode == "routed":
             stats = layer.routing_stats
             pages = stats.pages_gathered / max(1, stats.steps)  # summed over KV heads
-            attn_bytes = int(
-                pages * page_bytes
-            )  # ideal: the selected pages read once (the torch path also copies them)
+            attn_bytes = int(pages * page_bytes)  # ideal: the selected pages read once (the torch path copies them)
+            attn_keys = pages / st.heads * st.page_size  # slots attended per KV head
         else:
             attn_bytes = st.kv_nbytes()
+            attn_keys = st.keys.shape[2]  # exact attention scores every slot
         with torch.no_grad():
             step_ms = median_ms(lambda cache=cache: model(token, past_key_values=cache), args.steps)
         out[mode] = {
             "attn_ms": attn_ms,
             "attn_bytes": attn_bytes,
+            "attn_keys": attn_keys,
             "step_ms": step_ms,
         }
         if mode == "routed":
             out[mode]["routing"] = cache.routing_stats()["overall"]
+            out[mode]["workspace_bytes"] = workspace
         del cache
     for mode in ("dynamic", "exact", "routed"):
         out[mode]["bound_ms"] = out[mode]["attn_bytes"] / (bandwidth * 1e9) * 1e3
         out[mode]["attn_over_bound"] = out[mode]["attn_ms"] / out[mode]["bound_ms"]
+        out[mode]["compute_ms"] = 4 * hq * out[mode]["attn_keys"] * d / (gflops * 1e9) * 1e3
+        out[mode]["roofline_ms"] = max(out[mode]["bound_ms"], out[mode]["compute_ms"])
+        out[mode]["attn_over_roofline"] = out[mode]["attn_ms"] / out[mode]["roofline_ms"]
     out["ratios"] = {
         "attn_dynamic_over_routed": out["dynamic"]["attn_ms"] / out["routed"]["attn_ms"],
         "attn_dynamic_over_exact": out["dynamic"]["attn_ms"] / out["exact"]["attn_ms"],
@@ -126,16 +136,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ref = tiny_model("llama", seed=0, **CONFIG)
     model = tiny_model("llama", seed=0, **CONFIG)
-    bandwidth = read_bandwidth_gbs()
-    print(f"threads {args.threads}, read bandwidth {bandwidth:.1f} GB/s")
+    bandwidth, gflops = read_bandwidth_gbs(), matmul_gflops()
+    print(f"threads {args.threads}, read bandwidth {bandwidth:.1f} GB/s, fp32 matmul {gflops:.0f} GFLOP/s")
     rows = []
     for context in args.contexts:
-        row = {"context": context, **bench_context(model, ref, context, args, bandwidth)}
+        row = {"context": context, **bench_context(model, ref, context, args, bandwidth, gflops)}
         rows.append(row)
         print(
             f"ctx {context}: "
             + " | ".join(
-                f"{m} attn {row[m]['attn_ms']:.2f}ms (bound {row[m]['bound_ms']:.2f}) step {row[m]['step_ms']:.1f}ms"
+                f"{m} attn {row[m]['attn_ms']:.2f}ms (bound {row[m]['bound_ms']:.2f}, "
+                f"roof {row[m]['roofline_ms']:.2f}) step {row[m]['step_ms']:.1f}ms"
                 for m in ("dynamic", "exact", "routed")
             )
             + f" | dynamic/routed attn x{row['ratios']['attn_dynamic_over_routed']:.1f} "
@@ -147,7 +158,7 @@ def main() -> None:
         "command": f"python benchmarks/bench_decode.py --contexts {' '.join(map(str, args.contexts))} "
         f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --router {args.router} "
         f"--out {args.out}",
-        **run_metadata(args.threads, bandwidth),
+        **run_metadata(args.threads, bandwidth, gflops),
         "config": {
             **CONFIG,
             "dtype": "float32",

@@ -159,3 +159,33 @@ def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing()
     store.index_batch(torch.tensor([1, 1, 0]))
     check()
     assert store.meta_nbytes() >= 2 * store.page_min.numel() * 4
+
+
+def test_gather_pages_copies_the_listed_pages_into_a_reused_workspace():
+    g = torch.Generator().manual_seed(3)
+    b, h, p, s = 2, 3, 4, 5
+    store = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"))
+    q = 40
+    store.append(
+        torch.randn(b, h, q, 8, generator=g),
+        torch.randn(b, h, q, 6, generator=g),
+        torch.randint(0, s, (b, h, q), generator=g),
+        torch.arange(q),
+    )
+    assert store.workspace_nbytes() == 0
+    held = 0
+    for n in (5, 3, 7):  # grows, then a smaller gather reuses it, then grows again
+        pages = torch.stack([torch.randperm(int(store.n_pages.min()), generator=g)[:n] for _ in range(b * h)])
+        pages = pages.view(b, h, n)
+        part = store.gather_pages(pages)
+        slots = (pages.unsqueeze(-1) * p + torch.arange(p)).view(b, h, n * p)  # reference: slot indexing
+        assert torch.equal(part["keys"], store.keys.gather(2, slots[..., None].expand(-1, -1, -1, 8)))
+        assert torch.equal(part["values"], store.values.gather(2, slots[..., None].expand(-1, -1, -1, 6)))
+        assert torch.equal(part["pos"], store.pos.gather(2, slots))
+        assert torch.equal(part["valid"], store.valid.gather(2, slots))
+        assert torch.equal(part["shard"], store.slot_shard().gather(2, slots))
+        held = max(held, n)
+        per_page = p * (8 + 6) * 4 + p * 4 + p  # fp32 keys + values, int32 pos, bool valid
+        assert store.workspace_nbytes() == b * h * held * per_page
+    store.compact(torch.ones(b, h, store.keys.shape[2], dtype=torch.bool))
+    assert store.workspace_nbytes() == 0  # re-allocation frees it

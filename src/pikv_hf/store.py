@@ -87,6 +87,7 @@ class PagedShardStore:
         self.n_pages = torch.zeros(b, h, dtype=torch.int64, device=dev)
         self.open_page = torch.full((b, h, self.num_shards), -1, dtype=torch.int64, device=dev)
         self.open_fill = torch.zeros(b, h, self.num_shards, dtype=torch.int64, device=dev)
+        self._workspace: dict[str, torch.Tensor] = {}
         self._reset_summaries()
         if self.page_min is not None:
             self.page_min, self.page_max = self._empty_bounds(pages)
@@ -347,7 +348,12 @@ class PagedShardStore:
         )
 
     def gather_pages(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copy the listed pages (``[B, H, n]`` page ids) of every slot field into ``[B, H, n * P, ...]`` tensors."""
+        """Copy the listed pages (``[B, H, n]`` page ids) of every slot field into ``[B, H, n * P, ...]`` tensors.
+
+        The copies are views of a workspace the store keeps between calls (grown when a gather needs more, freed by
+        ``reset``): a fresh multi-megabyte tensor per decode step costs more in page faults than the copy itself on
+        CPU. So the returned tensors are valid only until the next ``gather_pages`` call.
+        """
         b, h, n = pages.shape
         p, np_ = self.page_size, self.capacity_pages
         flat = (torch.arange(b * h, device=pages.device).view(b, h, 1) * np_ + pages).reshape(-1)
@@ -355,10 +361,19 @@ class PagedShardStore:
         for name in ("keys", "values", "pos", "valid"):
             t = getattr(self, name)
             tail = t.shape[3:]
-            rows = t.reshape(b * h * np_, p * max(1, tail.numel()))  # one row per page, contiguous
-            out[name] = rows.index_select(0, flat).view(b, h, n * p, *tail)
+            width = p * max(1, tail.numel())
+            rows = t.reshape(b * h * np_, width)  # one row per page, contiguous
+            buf = self._workspace.get(name)
+            if buf is None or buf.numel() < flat.numel() * width:
+                buf = self._workspace[name] = t.new_empty(flat.numel() * width)
+            dest = buf[: flat.numel() * width].view(flat.numel(), width)
+            out[name] = torch.index_select(rows, 0, flat, out=dest).view(b, h, n * p, *tail)
         out["shard"] = self.page_shard.gather(2, pages).repeat_interleave(p, dim=-1)
         return out
+
+    def workspace_nbytes(self) -> int:
+        """Bytes held by the gather workspace (the largest routed read so far; not part of the stored KV)."""
+        return sum(t.numel() * t.element_size() for t in self._workspace.values())
 
     def kv_nbytes(self) -> int:
         """Bytes held by the key and value tensors."""
