@@ -187,5 +187,8 @@ def test_gather_pages_copies_the_listed_pages_into_a_reused_workspace():
         held = max(held, n)
         per_page = p * (8 + 6) * 4 + p * 4 + p  # fp32 keys + values, int32 pos, bool valid
         assert store.workspace_nbytes() == b * h * held * per_page
-    store.compact(torch.ones(b, h, store.keys.shape[2], dtype=torch.bool))
-    assert store.workspace_nbytes() == 0  # re-allocation frees it
+    # a second store given the same workspace (as PiKVCache's layers are) reuses it instead of allocating
+    other = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"), workspace=store._workspace)
+    other.append(store.keys, store.values, store.slot_shard().clamp(min=0), torch.arange(store.keys.shape[2]))
+    other.gather_pages(pages[..., :2])
+    assert other.workspace_nbytes() == store.workspace_nbytes() == b * h * held * per_page

@@ -174,9 +174,11 @@ class PiKVLayer(CacheLayerMixin):
         shard_groups: int = 1,
         track_stats: bool = False,
         routed: RoutedAttention | None = None,
+        workspace: dict | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.workspace = {} if workspace is None else workspace  # gather scratch shared by the cache's layers
         self.placement = placement
         self.num_shards = placement.num_shards
         self.page_size = page_size
@@ -203,7 +205,15 @@ class PiKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
         self.store = PagedShardStore(
-            b, h, dk, value_states.shape[-1], self.num_shards, self.page_size, key_states.dtype, key_states.device
+            b,
+            h,
+            dk,
+            value_states.shape[-1],
+            self.num_shards,
+            self.page_size,
+            key_states.dtype,
+            key_states.device,
+            self.workspace,
         )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
@@ -719,8 +729,11 @@ class PiKVCache(Cache):
         if is_model:
             attach(model)
         n_layers = text_config.num_hidden_layers
+        workspace: dict = {}  # one gather workspace for all layers: they attend one after the other
         layers = [
-            PiKVLayer(i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats)
+            PiKVLayer(
+                i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats, workspace=workspace
+            )
             for i in range(n_layers)
         ]
         super().__init__(layers=layers)

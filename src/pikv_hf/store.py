@@ -64,8 +64,11 @@ class PagedShardStore:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        workspace: dict | None = None,
     ) -> None:
         self.page_size = int(page_size)
+        # gather scratch, keyed by (field, dtype, device); a cache passes one dict to all its layers' stores
+        self._workspace: dict[tuple, torch.Tensor] = {} if workspace is None else workspace
         self.num_shards = int(num_shards)
         self.k_dim, self.v_dim = int(k_dim), int(v_dim)
         self.dtype, self.device = dtype, device
@@ -87,7 +90,6 @@ class PagedShardStore:
         self.n_pages = torch.zeros(b, h, dtype=torch.int64, device=dev)
         self.open_page = torch.full((b, h, self.num_shards), -1, dtype=torch.int64, device=dev)
         self.open_fill = torch.zeros(b, h, self.num_shards, dtype=torch.int64, device=dev)
-        self._workspace: dict[str, torch.Tensor] = {}
         self._reset_summaries()
         if self.page_min is not None:
             self.page_min, self.page_max = self._empty_bounds(pages)
@@ -350,9 +352,10 @@ class PagedShardStore:
     def gather_pages(self, pages: torch.Tensor) -> dict[str, torch.Tensor]:
         """Copy the listed pages (``[B, H, n]`` page ids) of every slot field into ``[B, H, n * P, ...]`` tensors.
 
-        The copies are views of a workspace the store keeps between calls (grown when a gather needs more, freed by
-        ``reset``): a fresh multi-megabyte tensor per decode step costs more in page faults than the copy itself on
-        CPU. So the returned tensors are valid only until the next ``gather_pages`` call.
+        The copies are views of a workspace kept between calls and grown when a gather needs more (shared by every
+        layer of a ``PiKVCache``, which attend one after the other): a fresh multi-megabyte tensor per decode step
+        costs more in page faults than the copy itself on CPU. The returned tensors are valid only until the next
+        ``gather_pages`` call on a store sharing the workspace.
         """
         b, h, n = pages.shape
         p, np_ = self.page_size, self.capacity_pages
@@ -363,16 +366,18 @@ class PagedShardStore:
             tail = t.shape[3:]
             width = p * max(1, tail.numel())
             rows = t.reshape(b * h * np_, width)  # one row per page, contiguous
-            buf = self._workspace.get(name)
+            key = (name, t.dtype, t.device)
+            buf = self._workspace.get(key)
             if buf is None or buf.numel() < flat.numel() * width:
-                buf = self._workspace[name] = t.new_empty(flat.numel() * width)
+                buf = self._workspace[key] = t.new_empty(flat.numel() * width)
             dest = buf[: flat.numel() * width].view(flat.numel(), width)
             out[name] = torch.index_select(rows, 0, flat, out=dest).view(b, h, n * p, *tail)
         out["shard"] = self.page_shard.gather(2, pages).repeat_interleave(p, dim=-1)
         return out
 
     def workspace_nbytes(self) -> int:
-        """Bytes held by the gather workspace (the largest routed read so far; not part of the stored KV)."""
+        """Bytes held by the gather workspace (the largest routed read so far, shared with the other layers of the
+        cache; not part of the stored KV)."""
         return sum(t.numel() * t.element_size() for t in self._workspace.values())
 
     def kv_nbytes(self) -> int:
