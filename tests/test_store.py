@@ -164,7 +164,8 @@ def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing()
 def test_gather_pages_copies_the_listed_pages_into_a_reused_workspace():
     g = torch.Generator().manual_seed(3)
     b, h, p, s = 2, 3, 4, 5
-    store = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"))
+    workspace: dict = {}
+    store = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"), workspace=workspace)
     q = 40
     store.append(
         torch.randn(b, h, q, 8, generator=g),
@@ -188,7 +189,7 @@ def test_gather_pages_copies_the_listed_pages_into_a_reused_workspace():
         per_page = p * (8 + 6) * 4 + p * 4 + p  # fp32 keys + values, int32 pos, bool valid
         assert store.workspace_nbytes() == b * h * held * per_page
     # a second store given the same workspace (as PiKVCache's layers are) reuses it instead of allocating
-    other = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"), workspace=store._workspace)
+    other = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"), workspace=workspace)
     other.append(store.keys, store.values, store.slot_shard().clamp(min=0), torch.arange(store.keys.shape[2]))
     other.gather_pages(pages[..., :2])
     assert other.workspace_nbytes() == store.workspace_nbytes() == b * h * held * per_page
