@@ -85,6 +85,15 @@ def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
     assert stats["fraction_tokens_attended"] < 1.0 and stats["fraction_pages_read"] < 1.0
 
 
+def test_reset_frees_the_gather_workspace_shared_by_the_layers():
+    cache, *_ = _one_decode_step(3, router="round_robin", num_shards=4, attention="routed", top_k_shards=1)
+    layer = cache.layers[0]
+    # the routed read's slots (padded to the largest per-head read): K and V (fp32), pos (int32), valid (bool)
+    assert layer.store.workspace_nbytes() >= layer.routing_stats.slots_gathered * (2 * D * 4 + 4 + 1) > 0
+    cache.reset()
+    assert cache.layers[0].workspace == {} and all(layer.store is None for layer in cache.layers)
+
+
 def test_mass_target_reads_the_shortest_ranked_prefix_reaching_the_estimated_mass():
     b, h, g, t, d = B, H, G, T, D
     s, k, n_sink, window, target = 8, 6, 2, 3, 0.6

@@ -480,6 +480,7 @@ class PiKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store = None
+        self.workspace.clear()  # shared with the other layers, which are reset too: frees the routed gather scratch
         self.is_initialized = False
         self.seen = self.evicted = 0
         self._last_slot = self._last_qpos = self._fresh_kv = None
