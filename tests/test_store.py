@@ -89,30 +89,36 @@ def _summary_reference(k, shard, mask, s):
     return member.sum(2), total, lo, hi
 
 
+B, H, P, S, D, N = 2, 2, 4, 3, 5, 30  # summary / bound tests: batch, KV heads, page size, shards, head dim, tokens
+
+
+def _store_and_random_keys(seed: int) -> tuple[PagedShardStore, torch.Tensor, torch.Tensor]:
+    """An empty ``[B, H]`` store, and ``N`` random shard ids ``[B, H, N]`` and keys ``[B, H, N, D]`` to append."""
+    g = torch.Generator().manual_seed(seed)
+    store = PagedShardStore(B, H, D, D, S, P, torch.float32, torch.device("cpu"))
+    return store, torch.randint(0, S, (B, H, N), generator=g), torch.randn(B, H, N, D, generator=g)
+
+
 def test_shard_summaries_follow_appends_invalidation_and_compaction():
-    g = torch.Generator().manual_seed(2)
-    b, h, p, s, d = 2, 2, 4, 3, 5
-    store = PagedShardStore(b, h, d, d, s, p, torch.float32, torch.device("cpu"))
-    shard = torch.randint(0, s, (b, h, 30), generator=g)
-    k = torch.randn(b, h, 30, d, generator=g)
+    store, shard, k = _store_and_random_keys(2)
     first = store.append(k[:, :, :20], k[:, :, :20], shard[:, :, :20], torch.arange(20))
-    pad = torch.ones(b, 20, dtype=torch.bool)
+    pad = torch.ones(B, 20, dtype=torch.bool)
     pad[1, :6] = False  # left padding of row 1
     store.invalidate(first, pad)
     second = store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
-    mask = torch.ones(b, h, 30, dtype=torch.bool)
+    mask = torch.ones(B, H, 30, dtype=torch.bool)
     mask[1, :, :6] = False
 
     def check(mask):
-        count, total, lo, hi = _summary_reference(k, shard, mask, s)
+        count, total, lo, hi = _summary_reference(k, shard, mask, S)
         assert torch.equal(store.shard_count, count)
         assert torch.allclose(store.shard_sum, total, atol=1e-5)
         assert torch.equal(store.shard_min, lo) and torch.equal(store.shard_max, hi)
         summary = store.summary(torch.zeros_like(count))
         assert torch.allclose(summary.centroids, total / count.clamp(min=1)[..., None], atol=1e-6)
-        for bi, hi_, si in torch.cartesian_prod(torch.arange(b), torch.arange(h), torch.arange(s)).tolist():
+        for bi, hi_, si in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(S)).tolist():
             members = k[bi, hi_][mask[bi, hi_] & (shard[bi, hi_] == si)]
-            var = members.var(0, unbiased=False) if len(members) else torch.zeros(d)
+            var = members.var(0, unbiased=False) if len(members) else torch.zeros(D)
             assert torch.allclose(summary.key_var[bi, hi_, si], var, atol=1e-5)
 
     check(mask)
@@ -124,15 +130,11 @@ def test_shard_summaries_follow_appends_invalidation_and_compaction():
 
 
 def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing():
-    g = torch.Generator().manual_seed(3)
-    b, h, p, s, d = 2, 2, 4, 3, 5
-    store = PagedShardStore(b, h, d, d, s, p, torch.float32, torch.device("cpu"))
-    shard = torch.randint(0, s, (b, h, 30), generator=g)
-    k = torch.randn(b, h, 30, d, generator=g)
+    store, shard, k = _store_and_random_keys(3)
     store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12))
     store.enable_page_bounds()  # computed from what is stored, then maintained
     more = store.append(k[:, :, 12:20], k[:, :, 12:20], shard[:, :, 12:20], torch.arange(12, 20))
-    pad = torch.ones(b, 8, dtype=torch.bool)
+    pad = torch.ones(B, 8, dtype=torch.bool)
     pad[1, :3] = False
     store.invalidate(more, pad)
     store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
@@ -141,9 +143,9 @@ def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing()
         # independent: every page's min / max over the keys of its valid slots, read slot by slot
         lo, hi, count = store.page_bounds()
         for bi in range(store.batch):
-            for hi_ in range(h):
+            for hi_ in range(H):
                 for page in range(store.capacity_pages):
-                    sl = slice(page * p, (page + 1) * p)
+                    sl = slice(page * P, (page + 1) * P)
                     keys = store.keys[bi, hi_, sl][store.valid[bi, hi_, sl]]
                     assert count[bi, hi_, page] == keys.shape[0]
                     if keys.shape[0]:
@@ -151,7 +153,7 @@ def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing()
                         assert torch.equal(hi[bi, hi_, page], keys.amax(0))
 
     check()
-    assert int(store.valid.sum()) == b * h * 30 - 3 * h
+    assert int(store.valid.sum()) == B * H * 30 - 3 * H
     keep = store.valid.clone()
     keep[0, 1, :7] = False
     store.compact(keep)
