@@ -30,6 +30,10 @@ lint: $(STAMP)
 # Benchmarks (not tests): write JSON under benchmarks/results/
 bench: $(STAMP)
 	$(PY) benchmarks/bench_cache.py --out benchmarks/results/cache_exact_cpu.json
+	$(PY) benchmarks/bench_decode.py --contexts 8192 16384 32768 --steps 5 --repeats 15 --threads 1 \
+		--out benchmarks/results/decode_speed_cpu.json
+	$(PY) benchmarks/bench_decode.py --contexts 8192 16384 32768 --steps 5 --repeats 15 --threads 1 --page-size 1 \
+		--out benchmarks/results/decode_speed_page1_cpu.json
 
 # >>> eval targets (owned by the evaluation harness)
 # Results table: kvpress presses x ratios on dense and upcycled-MoE SmolLM2, RULER needle tasks at 2k (resumable).
@@ -47,13 +51,15 @@ eval-table: $(STAMP)
 		--json $(EVAL_RESULTS)/ruler2k_table.json --png $(EVAL_RESULTS)/ruler2k_table.png
 
 # Routing quality (routing issue): exact vs routed (key_cluster + topk) vs Quest pages, needles at 2k and 4k,
-# 42 samples per point; query-aware sparse reads (~5.5 h on 2 cores). The third run is the top-p setting
+# 42 samples per point; query-aware sparse reads (~6.2 h on 2 cores). The third run is the top-p setting
 # (128 shards, pages of 4, layer 0 dense, mass target 0.93 with k/E = 1/2 or 1/4 as the cap) at 2k; the later
 # runs are that setting at 4k, the 0.97 mass target with caps 1/2, 1/4 and 3/16, Quest at 4k (f = 1/4 and 3/16,
-# the latter at routed's read), and 256 shards with the 0.97 target: cap 1/4 at 4k and 2k, cap 3/16 at 2k and 4k.
+# the latter at routed's read), and 256 shards with the 0.97 target: cap 1/4 at 4k and 2k, cap 3/16 at 2k and 4k,
+# cap 7/32 at 2k, and cap 1/4 with pages of 1 at both lengths (the one setting that meets the goal at both).
 ROUTING_ARGS = --suite ruler --model smollm2 --cache pikv --router key_cluster --samples 14
 TOPP_ARGS = --num-shards 128 --page-size 4 --dense-layers 1
 TOPP256_ARGS = --num-shards 256 --page-size 4 --dense-layers 1 --mass-target 0.97 --press pikv_routed
+TOPP256_PAGE1_ARGS = --num-shards 256 --page-size 1 --dense-layers 1 --mass-target 0.97 --press pikv_routed
 eval-routing: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) --press none pikv_routed pikv_quest \
 		--ratio 0.75 0.875 --length 2048 4096 --out $(EVAL_RESULTS)/routing_quality_smollm2
@@ -75,6 +81,10 @@ eval-routing: $(STAMP)
 		--out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_2k_256shards
 	for L in 2048 4096; do OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_ARGS) \
 		--ratio 0.8125 --length $$L --out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_cap316_256shards_$$L; done
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_ARGS) --ratio 0.78125 --length 2048 \
+		--out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_cap732_256shards_2048
+	for L in 2048 4096; do OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_PAGE1_ARGS) \
+		--ratio 0.75 --length $$L --out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_256shards_page1_$$L; done
 
 # Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 eval-assets: $(STAMP)

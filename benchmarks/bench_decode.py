@@ -10,6 +10,10 @@ Then, side by side in one process:
 * ``bound_ms``: that attention's bytes read / measured read bandwidth. Bytes read = K+V of every stored token
   (DynamicCache, exact: slots incl. headroom), or K+V of the selected pages read once (routed: the ideal fused
   kernel; the torch path here copies them with a gather first, so it moves about 3x those bytes);
+* ``matmul_floor_ms`` (routed): the two attention matmuls alone (``keys @ q^T`` and ``p @ values``, the calls
+  ``masked_attention`` makes) on contiguous tensors holding as many keys per KV head as routed mode attends, in
+  fp32 and in bf16, each with its own bytes bound: the fastest any path built from torch ops could run here,
+  with no gather, masking or softmax;
 * ``compute_ms``: that attention's FLOPs (``4 * Hq * keys * head_dim``: ``q.k`` and ``p.v``) / the measured fp32
   matmul rate, and ``roofline_ms = max(bound_ms, compute_ms)``. With 8 query heads per KV head in fp32 the
   arithmetic intensity is 4 FLOP/byte, so on one CPU core the compute roof, not the bandwidth, is the binding one.
@@ -55,6 +59,18 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def matmul_floor_ms(keys: int, dtype: torch.dtype, repeats: int, gen: torch.Generator) -> float:
+    """Median ms of ``keys @ q^T`` then ``p @ values`` on ``[1, H, keys, D]`` contiguous K and V."""
+    hq, hkv, d = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"], CONFIG["head_dim"]
+    k, v = (torch.randn(1, hkv, keys, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(1, hkv, hq // hkv, d, generator=gen).to(dtype)
+
+    def matmuls() -> torch.Tensor:
+        return torch.matmul(torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2), v)
+
+    return median_ms(matmuls, repeats)
+
+
 def bench_context(model, ref, context: int, args, bandwidth: float, gflops: float) -> dict:
     gen = torch.Generator().manual_seed(context)
     hq, hkv, d = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"], CONFIG["head_dim"]
@@ -80,7 +96,7 @@ def bench_context(model, ref, context: int, args, bandwidth: float, gflops: floa
 
     for mode in ("exact", "routed"):
         kwargs = dict(attention="routed", top_k_shards=SHARDS // 4, n_sink=4, window=64) if mode == "routed" else {}
-        cache = PiKVCache(model, router=args.router, num_shards=SHARDS, **kwargs)
+        cache = PiKVCache(model, router=args.router, num_shards=SHARDS, page_size=args.page_size, **kwargs)
         fill(cache, context, gen)
         layer = cache.layers[0]
         layer.update(new_kv, new_kv, None)  # one decode token; attend() reads the store without changing it
@@ -108,6 +124,10 @@ def bench_context(model, ref, context: int, args, bandwidth: float, gflops: floa
         if mode == "routed":
             out[mode]["routing"] = cache.routing_stats()["overall"]
             out[mode]["workspace_bytes"] = workspace
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                floor = matmul_floor_ms(round(attn_keys), dtype, args.repeats, gen)
+                bound = attn_bytes * dtype.itemsize / st.keys.element_size() / (bandwidth * 1e9) * 1e3
+                out[mode][f"matmul_floor_{name}"] = {"ms": floor, "bound_ms": bound, "over_bound": floor / bound}
         del cache
     for mode in ("dynamic", "exact", "routed"):
         out[mode]["bound_ms"] = out[mode]["attn_bytes"] / (bandwidth * 1e9) * 1e3
@@ -131,6 +151,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="single-layer attention repeats timed")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--router", default="round_robin", help="balanced shards: k/E of the tokens are read")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the PiKVCache store")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -150,14 +171,19 @@ def main() -> None:
                 for m in ("dynamic", "exact", "routed")
             )
             + f" | dynamic/routed attn x{row['ratios']['attn_dynamic_over_routed']:.1f} "
-            f"step x{row['ratios']['step_dynamic_over_routed']:.2f}",
+            f"step x{row['ratios']['step_dynamic_over_routed']:.2f}"
+            + "".join(
+                f" | routed matmul floor {n} {row['routed'][f'matmul_floor_{n}']['ms']:.2f}ms "
+                f"({row['routed'][f'matmul_floor_{n}']['over_bound']:.1f}x its bound)"
+                for n in ("fp32", "bf16")
+            ),
             flush=True,
         )
     result = {
         "benchmark": "bench_decode",
         "command": f"python benchmarks/bench_decode.py --contexts {' '.join(map(str, args.contexts))} "
         f"--steps {args.steps} --repeats {args.repeats} --threads {args.threads} --router {args.router} "
-        f"--out {args.out}",
+        f"--page-size {args.page_size} --out {args.out}",
         **run_metadata(args.threads, bandwidth, gflops),
         "config": {
             **CONFIG,
@@ -168,7 +194,7 @@ def main() -> None:
             "n_sink": 4,
             "window": 64,
             "router": args.router,
-            "page_size": 16,
+            "page_size": args.page_size,
         },
         "targets": {
             "attn_routed_over_bound_max": 2.0,

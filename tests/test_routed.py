@@ -35,13 +35,13 @@ def _shards(model):
 B, H, G, T, D, PAGE = 2, 2, 3, 70, 16, 4  # batch, KV heads, query heads per KV head, context, head dim, page size
 
 
-def _one_decode_step(seed, **cache_kwargs):
+def _one_decode_step(seed, page_size=PAGE, **cache_kwargs):
     """A layer-0 cache filled with ``T`` random tokens, then one decode step: (cache, all keys, all values,
     query, routed output)."""
     gen = torch.Generator().manual_seed(seed)
     cache = PiKVCache(
         tiny_config("llama", num_attention_heads=H * G, num_key_value_heads=H, head_dim=D),
-        page_size=PAGE,
+        page_size=page_size,
         measure_recall=True,
         **cache_kwargs,
     )
@@ -83,6 +83,19 @@ def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
     stats = cache.routing_stats()["overall"]
     assert abs(stats["recall"] - torch.stack(recalls).mean().item()) < 1e-5
     assert stats["fraction_tokens_attended"] < 1.0 and stats["fraction_pages_read"] < 1.0
+
+
+def test_page_size_changes_only_the_padding_read_not_the_attended_tokens():
+    kwargs = dict(router="key_cluster", num_shards=6, attention="routed", top_k_shards=2, n_sink=2, window=3)
+    stats, outs = {}, {}
+    for page in (1, PAGE):
+        cache, *_, outs[page] = _one_decode_step(5, page_size=page, **kwargs)
+        stats[page] = cache.routing_stats()["overall"]
+    assert (outs[1] - outs[PAGE]).abs().max() < 1e-6
+    assert stats[1]["fraction_tokens_attended"] == stats[PAGE]["fraction_tokens_attended"] < 1.0
+    # pages of one token move exactly the attended tokens; larger pages also move the empty slots of open pages
+    assert stats[1]["kv_read_vs_dense"] == stats[1]["fraction_tokens_attended"]
+    assert stats[PAGE]["kv_read_vs_dense"] > stats[PAGE]["fraction_tokens_attended"]
 
 
 def test_reset_frees_the_gather_workspace_shared_by_the_layers():
