@@ -51,11 +51,12 @@ eval-table: $(STAMP)
 		--json $(EVAL_RESULTS)/ruler2k_table.json --png $(EVAL_RESULTS)/ruler2k_table.png
 
 # Routing quality (routing issue): exact vs routed (key_cluster + topk) vs Quest pages, needles at 2k and 4k,
-# 42 samples per point; query-aware sparse reads (~6.2 h on 2 cores). The third run is the top-p setting
+# 42 samples per point; query-aware sparse reads (~6.8 h on 2 cores). The third run is the top-p setting
 # (128 shards, pages of 4, layer 0 dense, mass target 0.93 with k/E = 1/2 or 1/4 as the cap) at 2k; the later
 # runs are that setting at 4k, the 0.97 mass target with caps 1/2, 1/4 and 3/16, Quest at 4k (f = 1/4 and 3/16,
 # the latter at routed's read), and 256 shards with the 0.97 target: cap 1/4 at 4k and 2k, cap 3/16 at 2k and 4k,
-# cap 7/32 at 2k, and cap 1/4 with pages of 1 at both lengths (the one setting that meets the goal at both).
+# cap 7/32 at 2k, cap 1/4 with pages of 1 at both lengths (the one setting that meets the goal at both), the same
+# with cap 1/8, and Quest f = 3/16 at 2k (the read of that setting).
 ROUTING_ARGS = --suite ruler --model smollm2 --cache pikv --router key_cluster --samples 14
 TOPP_ARGS = --num-shards 128 --page-size 4 --dense-layers 1
 TOPP256_ARGS = --num-shards 256 --page-size 4 --dense-layers 1 --mass-target 0.97 --press pikv_routed
@@ -85,6 +86,10 @@ eval-routing: $(STAMP)
 		--out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_cap732_256shards_2048
 	for L in 2048 4096; do OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_PAGE1_ARGS) \
 		--ratio 0.75 --length $$L --out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_256shards_page1_$$L; done
+	for L in 2048 4096; do OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_PAGE1_ARGS) \
+		--ratio 0.875 --length $$L --out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_256shards_page1_cap18_$$L; done
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --press pikv_quest \
+		--ratio 0.8125 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_quest316_2k
 
 # Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 eval-assets: $(STAMP)
