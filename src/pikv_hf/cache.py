@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from pikv_hf.attention import ATTN_IMPLEMENTATION, allowed_mask, masked_attention
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.routing import (
     ExpertTap,
     Placement,
@@ -605,10 +606,8 @@ def routed_settings(
         if isinstance(read_fraction, bool) or not isinstance(read_fraction, (int, float)) or not 0 < read_fraction <= 1:
             raise ValueError(f"read_fraction must be a number in (0, 1] for attention='quest', got {read_fraction!r}")
         top_k_shards, read_fraction = None, float(read_fraction)
-    if not isinstance(n_sink, int) or n_sink < 0:
-        raise ValueError(f"n_sink must be an integer >= 0, got {n_sink!r}")
-    if not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    check_int_at_least("n_sink", n_sink, 0)
+    check_int_at_least("window", window, 1)
     most = num_layers if num_layers is not None else "the number of layers"
     if not isinstance(dense_layers, int) or not 0 <= dense_layers <= (num_layers or dense_layers):
         raise ValueError(f"dense_layers must be an integer in [0, {most}], got {dense_layers!r}")
@@ -704,10 +703,8 @@ class PiKVCache(Cache):
         num_experts = num_experts_of(text_config)
         if num_shards is None:
             num_shards = num_experts or DEFAULT_DENSE_SHARDS
-        if not isinstance(num_shards, int) or num_shards < 1:
-            raise ValueError(f"num_shards must be an integer >= 1, got {num_shards!r}")
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        check_int_at_least("num_shards", num_shards, 1)
+        check_int_at_least("page_size", page_size, 1)
         if not isinstance(shard_groups, int) or not 1 <= shard_groups <= num_shards:
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
         routed = routed_settings(

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pikv_hf.checks import check_int_at_least
+
 MODEL_NAMES = ("smollm2", "smollm2-moe")
 CACHES = ("dynamic", "pikv")
 ROUTERS = ("round_robin", "expert", "key_cluster")
@@ -147,15 +149,12 @@ class EvalConfig:
         for ratio in self.ratios:
             if not 0.0 <= ratio < 1.0:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
-        if self.num_shards is not None and (not isinstance(self.num_shards, int) or self.num_shards < 1):
-            raise ValueError(f"num_shards must be an integer >= 1, got {self.num_shards!r}")
+        if self.num_shards is not None:
+            check_int_at_least("num_shards", self.num_shards, 1)
         # also for runs that never reach routed_settings (dynamic cache, a PATH model without num_shards)
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        check_int_at_least("n_sink", self.n_sink, 0)
+        check_int_at_least("window", self.window, 1)
+        check_int_at_least("page_size", self.page_size, 1)
         if self.cache == "pikv":
             from pikv_hf.cache import routed_settings
 

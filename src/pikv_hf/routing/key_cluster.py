@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.routing.base import Placement, PlacementContext
 
 
@@ -31,8 +32,7 @@ class KeyClusterPlacement(Placement):
 
     def __init__(self, num_shards: int, iters: int = 8) -> None:
         super().__init__(num_shards)
-        if not isinstance(iters, int) or iters < 1:
-            raise ValueError(f"iters must be an integer >= 1, got {iters!r}")
+        check_int_at_least("iters", iters, 1)
         self.iters = iters
         self.reset()
 
