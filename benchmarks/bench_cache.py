@@ -70,6 +70,23 @@ def run_metadata(threads: int, bandwidth_gbs: float | None = None, matmul_gflops
     }
 
 
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def write_result(out: Path, result: dict) -> None:
+    """Write a benchmark's result JSON (creating its folder) and say where."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -167,10 +184,8 @@ def main() -> None:
         "targets": {"decode_ratio_max": 1.5, "kv_bytes_ratio_max": 1.05},
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     _plot(rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -27,13 +27,10 @@ no signal: this measures speed only (quality is in routing_recall.py and the eva
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
-from bench_cache import CONFIG, matmul_gflops, read_bandwidth_gbs, run_metadata
+from bench_cache import CONFIG, matmul_gflops, median_ms, read_bandwidth_gbs, run_metadata, write_result
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -47,16 +44,6 @@ def fill(cache, context: int, gen: torch.Generator) -> None:
     for layer in range(CONFIG["num_hidden_layers"]):
         k = torch.randn(1, CONFIG["num_key_value_heads"], context, CONFIG["head_dim"], generator=gen)
         cache.update(k, torch.randn(k.shape, generator=gen), layer)
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def matmul_floor_ms(keys: int, dtype: torch.dtype, repeats: int, gen: torch.Generator) -> float:
@@ -101,10 +88,11 @@ def bench_context(model, ref, context: int, args, bandwidth: float, gflops: floa
         layer = cache.layers[0]
         layer.update(new_kv, new_kv, None)  # one decode token; attend() reads the store without changing it
         attn_ms = median_ms(lambda layer=layer: layer.attend(query, d**-0.5, None, None, None), args.repeats)
-        workspace = layer.store.workspace_nbytes()  # gather scratch held between steps (routed only)
+        workspace = cache.workspace_nbytes()  # gather scratch held between steps (routed only)
         layer.crop(context)
         st = layer.store
-        page_bytes = st.page_size * (st.k_dim + st.v_dim) * st.keys.element_size()
+        itemsize = st.pool["keys"].element_size()
+        page_bytes = st.page_size * (st.k_dim + st.v_dim) * itemsize
         if mode == "routed":
             stats = layer.routing_stats
             pages = stats.pages_gathered / max(1, stats.steps)  # summed over KV heads
@@ -112,7 +100,7 @@ def bench_context(model, ref, context: int, args, bandwidth: float, gflops: floa
             attn_keys = pages / st.heads * st.page_size  # slots attended per KV head
         else:
             attn_bytes = st.kv_nbytes()
-            attn_keys = st.keys.shape[2]  # exact attention scores every slot
+            attn_keys = st.table.width() * st.page_size  # exact attention scores every slot of the frame
         with torch.no_grad():
             step_ms = median_ms(lambda cache=cache: model(token, past_key_values=cache), args.steps)
         out[mode] = {
@@ -126,7 +114,7 @@ def bench_context(model, ref, context: int, args, bandwidth: float, gflops: floa
             out[mode]["workspace_bytes"] = workspace
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
                 floor = matmul_floor_ms(round(attn_keys), dtype, args.repeats, gen)
-                bound = attn_bytes * dtype.itemsize / st.keys.element_size() / (bandwidth * 1e9) * 1e3
+                bound = attn_bytes * dtype.itemsize / itemsize / (bandwidth * 1e9) * 1e3
                 out[mode][f"matmul_floor_{name}"] = {"ms": floor, "bound_ms": bound, "over_bound": floor / bound}
         del cache
     for mode in ("dynamic", "exact", "routed"):
@@ -204,9 +192,7 @@ def main() -> None:
         },
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,11 @@ Query-aware in the decode sense: each step selects with that step's own query.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata
+from bench_cache import run_metadata, write_result
 
 from pikv_hf import PiKVCache
 from pikv_hf.routing import SELECTORS
@@ -165,10 +164,8 @@ def main() -> None:
         **run_metadata(args.threads),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_result(args.out, out)
     _plot(results, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}")
 
 
 def _plot(rows: list[dict], path: Path) -> None:

@@ -46,6 +46,21 @@ def pikv(model, router: str = "round_robin", **kwargs) -> PiKVCache:
     return PiKVCache(model, router=router, **kwargs)
 
 
+def slot_shard(store) -> torch.Tensor:
+    """``[B, H, W * P]`` shard of every frame slot of a store."""
+    return store.frame("shard").repeat_interleave(store.page_size, dim=-1)
+
+
+def shard_of_positions(store, n: int) -> torch.Tensor:
+    """``[B, H, n]`` shard holding the token of each position (-1 where none is stored), read back from the store."""
+    valid, pos, shard = store.frame("valid"), store.frame("pos").long(), slot_shard(store).long()
+    out = torch.full((store.batch, store.heads, n), -1, dtype=torch.int64)
+    for bi in range(store.batch):
+        for hi in range(store.heads):
+            out[bi, hi, pos[bi, hi][valid[bi, hi]]] = shard[bi, hi][valid[bi, hi]]
+    return out
+
+
 # one case per architecture for the generate scenarios: the model's own routing where it has one
 SCENARIO_CASES = [(a, "key_cluster" if a == "llama" else "expert") for a in TINY_ARCHS]
 
@@ -60,4 +75,6 @@ __all__ = [
     "model_pair",
     "pikv",
     "prompt",
+    "shard_of_positions",
+    "slot_shard",
 ]

@@ -4,8 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pikv_hf import attention
-from pikv_hf.attention import masked_attention, merge_partials, partial_attention
+from pikv_hf.attention import merge_partials, partial_attention, reference
+
+
+def masked_attention(*args, **kwargs):
+    """The reference's output as the model sees it: ``[B, q, Hq, Dv]``."""
+    return reference.masked_attention(*args, **kwargs)[0].transpose(1, 2)
 
 
 def _sdpa_reference(query, keys, values, mask):
@@ -86,16 +90,19 @@ def test_per_shard_groups_merge_exactly_and_mass_is_the_softmax():
     valid = torch.rand(b, h, c, generator=gen) < 0.8
     shard = torch.randint(0, 5, (b, h, c), generator=gen)
     qpos = torch.tensor([c - 3, c - 2, c - 1])
-    whole_mass = torch.zeros(b, h, c)
-    whole = masked_attention(query, keys, values, valid, pos, qpos, 0.3, mass_out=whole_mass)
-    groups = [shard == i for i in range(5)]
-    split = masked_attention(query, keys, values, valid, pos, qpos, 0.3, groups=groups)
-    assert (whole - split).abs().max() < 1e-6
+    whole, whole_lse, whole_mass = reference.masked_attention(
+        query, keys, values, valid, pos, qpos, 0.3, want_mass=True
+    )
+    split, split_lse, _ = reference.masked_attention(
+        query, keys, values, valid, pos, qpos, 0.3, group_of_slot=shard, groups=5
+    )
+    assert (whole - split).abs().max() < 1e-6 and (whole_lse - split_lse).abs().max() < 1e-5
     # independent dense softmax: attention probabilities summed over each KV head's query rows
     allowed = valid[:, :, None, :] & (pos[:, :, None, :] <= qpos.view(1, 1, -1, 1))
     logits = (query.view(b, h, g, 3, d) @ keys[:, :, None].transpose(-1, -2)) * 0.3
-    prob = logits.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1)
-    assert (whole_mass - prob.sum(dim=(2, 3))).abs().max() < 1e-5
+    masked = logits.masked_fill(~allowed[:, :, None], float("-inf"))
+    assert (whole_mass - masked.softmax(-1).sum(dim=(2, 3))).abs().max() < 1e-5
+    assert (whole_lse - masked.logsumexp(-1).view(b, h * g, 3)).abs().max() < 1e-5
 
 
 def test_merge_of_split_key_sets_is_the_full_softmax():
@@ -120,5 +127,5 @@ def test_query_chunking_does_not_change_results(monkeypatch):
     valid = torch.ones(1, 2, 40, dtype=torch.bool)
     qpos = torch.arange(7, 40)
     one = masked_attention(query, keys, values, valid, pos, qpos, 0.35)
-    monkeypatch.setattr(attention, "_SCORE_BUDGET_BYTES", 4 * 40 * 4 * 5)  # 5 query rows per chunk
+    monkeypatch.setattr(reference, "_SCORE_BUDGET_BYTES", 4 * 40 * 4 * 5)  # 5 query rows per chunk
     assert (one - masked_attention(query, keys, values, valid, pos, qpos, 0.35)).abs().max() < 1e-6

@@ -10,7 +10,8 @@ from pikv_hf.tiny import tiny_config
 
 def _snapshot(cache):
     layer = cache.layers[0]
-    return layer.seen, layer.store.keys.clone(), layer.store.valid.clone(), layer.store.n_pages.clone()
+    st = layer.store
+    return layer.seen, st.frame("keys").clone(), st.frame("valid").clone(), st.table.n_pages.clone()
 
 
 def _unchanged(cache, snap):
@@ -88,4 +89,6 @@ def test_bad_eviction_mask():
     snap = _snapshot(cache)
     with pytest.raises(ValueError, match="keep must be a bool tensor of shape"):
         cache.layers[0].evict(torch.ones(2, 2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="keep must be a bool tensor of shape \\(2, 2, 8\\)"):
+        cache.layers[0].evict(torch.ones(2, 2, 8, dtype=torch.int64))
     assert _unchanged(cache, snap)

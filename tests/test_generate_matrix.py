@@ -47,7 +47,7 @@ def test_exact_after_kvpress_wrapped_the_pikv_attention():
     import kvpress  # noqa: F401
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from pikv_hf.attention import pikv_attention
+    from pikv_hf.hf import pikv_attention
 
     assert ALL_ATTENTION_FUNCTIONS["pikv"] is not pikv_attention
     ref, model = model_pair("qwen3_moe")

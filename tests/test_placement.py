@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import model_pair, pikv, prompt
+from helpers import model_pair, pikv, prompt, shard_of_positions
 
 from pikv_hf.routing import KeyClusterPlacement, PlacementContext, RoundRobinPlacement, make_placement
 
@@ -123,10 +123,7 @@ def test_expert_placement_follows_the_previous_layers_router():
     finally:
         handle.remove()
     top1 = captured["logits"].argmax(-1)  # [T] top expert at layer 0, computed from the gate's own output
-    store = cache.layers[1].store
-    valid = store.valid[0, 0]
-    token_shard = torch.empty(29, dtype=torch.long)
-    token_shard[store.pos[0, 0][valid].long()] = store.slot_shard()[0, 0][valid]
+    token_shard = shard_of_positions(cache.layers[1].store, 29)[0, 0]
     assert torch.equal(token_shard, top1)
     assert cache.layers[0].placement.source is None  # layer 0: round-robin fallback
     assert cache.layers[0].placement.fallback_tokens == 29

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from helpers import DynamicCache, generate, max_logit_diff, model_pair, pikv, prompt
+from helpers import DynamicCache, generate, max_logit_diff, model_pair, pikv, prompt, shard_of_positions
 
 from pikv_hf import PiKVCache
 from pikv_hf.routing import SELECTORS
@@ -58,12 +58,7 @@ def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
     cache, all_k, all_v, query, out = _one_decode_step(
         0, router="key_cluster", num_shards=s, attention="routed", top_k_shards=k, n_sink=n_sink, window=window
     )
-    store = cache.layers[0].store
-    shard_of = torch.empty(b, h, t + 1, dtype=torch.long)  # shard of every token, read back from the store
-    for bi in range(b):
-        for hi in range(h):
-            v = store.valid[bi, hi]
-            shard_of[bi, hi, store.pos[bi, hi][v].long()] = store.slot_shard()[bi, hi][v]
+    shard_of = shard_of_positions(cache.layers[0].store, t + 1)  # shard of every token, read back from the store
     recalls = []
     for bi in range(b):
         for hi in range(h):
@@ -102,9 +97,10 @@ def test_reset_frees_the_gather_workspace_shared_by_the_layers():
     cache, *_ = _one_decode_step(3, router="round_robin", num_shards=4, attention="routed", top_k_shards=1)
     layer = cache.layers[0]
     # the routed read's slots (padded to the largest per-head read): K and V (fp32), pos (int32), valid (bool)
-    assert layer.store.workspace_nbytes() >= layer.routing_stats.slots_gathered * (2 * D * 4 + 4 + 1) > 0
+    assert cache.workspace_nbytes() >= layer.routing_stats.slots_gathered * (2 * D * 4 + 4 + 1) > 0
+    assert all(la.backend is cache.backend for la in cache.layers)
     cache.reset()
-    assert cache.layers[0].workspace == {} and all(layer.store is None for layer in cache.layers)
+    assert cache.workspace_nbytes() == 0 and all(layer.store is None for layer in cache.layers)
 
 
 def test_mass_target_reads_the_shortest_ranked_prefix_reaching_the_estimated_mass():
@@ -114,13 +110,11 @@ def test_mass_target_reads_the_shortest_ranked_prefix_reaching_the_estimated_mas
         4, router="key_cluster", num_shards=s, attention="routed", top_k_shards=k, n_sink=n_sink, window=window,
         mass_target=target,
     )  # fmt: skip
-    store = cache.layers[0].store
+    shards = shard_of_positions(cache.layers[0].store, t + 1)
     lengths = []
     for bi in range(b):
         for hi in range(h):
-            v = store.valid[bi, hi]
-            shard_of = torch.empty(t + 1, dtype=torch.long)
-            shard_of[store.pos[bi, hi][v].long()] = store.slot_shard()[bi, hi][v]
+            shard_of = shards[bi, hi]
             keys, qs = all_k[bi, hi], query[bi, hi * g : (hi + 1) * g, 0]  # [T+1, D], [G, D]
             log_mass = torch.full((g, s), float("-inf"))  # Gaussian estimate of each shard's mass, per query row
             for si in range(s):
@@ -202,9 +196,9 @@ def test_set_attention_switches_a_filled_cache_and_rejects_bad_input_first():
         model(prompt(40), past_key_values=cache)
         with pytest.raises(ValueError, match="top_k_shards must be an integer in \\[1, num_shards=4\\]"):
             cache.set_attention("routed", top_k_shards=9)
-        assert cache.routed is None and all(layer.routed is None for layer in cache.layers)
+        assert not cache.read.sparse and all(not layer.read.sparse for layer in cache.layers)
         cache.set_attention("routed", top_k_shards=1, n_sink=0, window=1, selector_kwargs={"score": "bound"})
-        assert all(layer.selector.score == "bound" for layer in cache.layers)
+        assert all(layer.policy.selector.score == "bound" for layer in cache.layers)
         model(prompt(1, seed=3), past_key_values=cache)
     stats = cache.routing_stats()
     assert stats["overall"]["steps"] == len(cache.layers) == len(stats["per_layer"])
@@ -236,9 +230,9 @@ def test_quest_step_reads_the_pages_of_largest_bound_plus_sink_and_window_pages(
     for bi in range(b):
         for hi in range(h):
             # independent Quest: per page of the store, bound = max_g sum_d max(q_d min_d, q_d max_d)
-            v, pos = st.valid[bi, hi], st.pos[bi, hi].long()
+            v, pos = st.frame("valid")[bi, hi], st.frame("pos")[bi, hi].long()
             page_of = torch.full((t + 1,), -1)
-            page_of[pos[v]] = torch.arange(st.valid.shape[-1])[v] // p
+            page_of[pos[v]] = torch.arange(v.shape[-1])[v] // p
             qs = query[bi, hi * g : (hi + 1) * g, 0]
             scores = {}
             for pg in page_of.unique().tolist():
@@ -269,7 +263,7 @@ def test_fork_is_independent_and_decodes_like_the_original():
         fork = cache.fork()
         fork.set_attention("routed", top_k_shards=1, n_sink=1, window=2)
         routed = model(nxt, past_key_values=fork).logits
-        assert cache.get_seq_length() == 30 and fork.get_seq_length() == 31 and cache.routed is None
+        assert cache.get_seq_length() == 30 and fork.get_seq_length() == 31 and not cache.read.sparse
         assert fork.layers[1].placement.tap is cache.layers[1].placement.tap
         exact = model(nxt, past_key_values=cache).logits
         again = cache.fork()

@@ -1,8 +1,9 @@
-"""PagedShardStore against a sequential pure-Python model of pages and shards."""
+"""PagedStore (pool + page table + shard statistics) against sequential pure-Python models of pages and shards."""
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from pikv_hf.store import PagedShardStore
+from pikv_hf.store import PagedStore
 
 
 def reference_slots(shards: list[list[int]], page_size: int) -> list[int]:
@@ -26,59 +27,116 @@ def _pages(slots: list[int], page_size: int) -> set[frozenset[int]]:
     return {frozenset(v) for v in groups.values()}
 
 
+def _store(b, h, dk, dv, s, p):
+    return PagedStore(b, h, dk, dv, s, p, torch.float32, torch.device("cpu"), track_stats=True)
+
+
 def test_append_places_tokens_like_the_sequential_reference():
     g = torch.Generator().manual_seed(0)
     b, h, p, s = 2, 3, 4, 5
-    store = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"))
+    store = _store(b, h, 8, 6, s, p)
     chunks, keys, seen = [], [], 0
-    for q in (13, 1, 1, 7, 1):
+    for q in (13, 1, 1, 7, 1, 40):
         shard = torch.randint(0, s, (b, h, q), generator=g)
         k = torch.randn(b, h, q, 8, generator=g)
         slot = store.append(k, torch.randn(b, h, q, 6, generator=g), shard, torch.arange(seen, seen + q))
-        chunks.append((shard, slot))
+        assert torch.equal(store.pool.flat("keys")[slot], k)  # slots as returned, valid until the pool moves
+        chunks.append(shard)
         keys.append(k)
         seen += q
+    all_slots = _current_slots(store, seen)
     for bi in range(b):
         for hi in range(h):
-            expected = reference_slots([c[0][bi, hi].tolist() for c in chunks], p)
-            got = torch.cat([c[1][bi, hi] for c in chunks]).tolist()
+            expected = reference_slots([c[bi, hi].tolist() for c in chunks], p)
+            got = all_slots[bi, hi].tolist()
             # same pages up to their numbering: which tokens share a page, and at which offset
             assert [x % p for x in got] == [x % p for x in expected]
             assert _pages(got, p) == _pages(expected, p)
-            assert int(store.n_pages[bi, hi]) == len(_pages(expected, p))
-    all_keys, all_slots = torch.cat(keys, 2), torch.cat([c[1] for c in chunks], 2)
-    assert torch.equal(store.keys.gather(2, all_slots[..., None].expand(-1, -1, -1, 8)), all_keys)
-    assert torch.equal(store.pos.gather(2, all_slots), torch.arange(seen, dtype=torch.int32).expand(b, h, seen))
-    assert int(store.valid.sum()) == b * h * seen
-    # every page belongs to the shard of the tokens in it
-    all_shards = torch.cat([c[0] for c in chunks], 2)
-    assert torch.equal(store.slot_shard().gather(2, all_slots), all_shards)
+            assert int(store.table.n_pages[bi, hi]) == len(_pages(expected, p))
+    all_keys = torch.cat(keys, 2)
+    assert torch.equal(store.pool.flat("keys")[all_slots], all_keys)
+    assert torch.equal(store.pool.flat("pos")[all_slots], torch.arange(seen, dtype=torch.int32).expand(b, h, seen))
+    assert int(store.pool["valid"].sum()) == b * h * seen
+    # every page belongs to the shard of the tokens in it, and to the (row, head) whose run lists it
+    all_shards = torch.cat(chunks, 2)
+    assert torch.equal(store.pool["shard"][all_slots // p], all_shards)
+    run_pages = store.table.pages()
+    for bi in range(b):
+        for hi in range(h):
+            assert set((all_slots[bi, hi] // p).tolist()) <= set(run_pages[bi, hi].tolist())
     assert torch.equal(store.tokens_per_shard(), torch.nn.functional.one_hot(all_shards, s).sum(2))
+    # the frame of uniform runs is a view of the pool, in run order
+    assert store.table.uniform and store.frame("keys").data_ptr() == store.pool["keys"].data_ptr()
 
 
-def test_compact_keeps_shards_positions_and_statistics_and_releases_pages():
-    g = torch.Generator().manual_seed(1)
-    b, h, p, s, n = 2, 2, 4, 3, 40
-    store = PagedShardStore(b, h, 4, 4, s, p, torch.float32, torch.device("cpu"))
+def _filled(seed, b=2, h=2, p=4, s=3, n=40, d=4):
+    g = torch.Generator().manual_seed(seed)
+    store = _store(b, h, d, d, s, p)
     shard = torch.randint(0, s, (b, h, n), generator=g)
-    k = torch.randn(b, h, n, 4, generator=g)
+    k = torch.randn(b, h, n, d, generator=g)
     slot = store.append(k, k + 1, shard, torch.arange(n))
-    store.attn_mass.scatter_(2, slot, torch.arange(n, dtype=torch.float32).expand(b, h, n).contiguous())
+    return store, g, shard, k, slot
+
+
+def _frame_keep(store, keep_tok):
+    """Frame mask (``[B, H, W * P]``) of the tokens at positions where ``keep_tok`` (``[B, H, n]``) holds."""
+    pos = store.frame("pos").long().clamp(max=keep_tok.shape[-1] - 1)
+    return store.frame("valid") & keep_tok.gather(2, pos)
+
+
+def _current_slots(store, n):
+    """``[B, H, n]`` flat pool slot now holding the token of each position (slots move when the pool grows)."""
+    frame, pos, valid = store.frame_slots(), store.frame("pos").long(), store.frame("valid")
+    out = torch.full((store.batch, store.heads, n), -1, dtype=torch.int64)
+    for bi in range(store.batch):
+        for hi in range(store.heads):
+            out[bi, hi, pos[bi, hi][valid[bi, hi]]] = frame[bi, hi][valid[bi, hi]]
+    return out
+
+
+def test_retain_keeps_shards_positions_statistics_and_frees_pages():
+    b, h, p, s, n = 2, 2, 4, 3, 40
+    store, g, shard, k, slot = _filled(1, b, h, p, s, n)
+    store.pool.flat("attn_mass")[slot] = torch.arange(n, dtype=torch.float32).expand(b, h, n)
     keep_tok = torch.rand(b, h, n, generator=g) < 0.4  # ragged per (b, h)
-    keep = torch.zeros_like(store.valid).scatter_(2, slot, keep_tok)
-    pages_before = store.capacity_pages
-    store.compact(keep)
+    bytes_before = store.kv_nbytes()
+    removed = store.retain(_frame_keep(store, keep_tok))
+    assert torch.equal(removed, (~keep_tok).sum(-1))
+    valid = store.frame("valid")
     for bi in range(b):
         for hi in range(h):
             kept = keep_tok[bi, hi].nonzero().squeeze(-1)
-            valid = store.valid[bi, hi]
-            order = store.pos[bi, hi][valid].argsort()
-            assert torch.equal(store.pos[bi, hi][valid][order].long(), kept)
-            assert torch.equal(store.keys[bi, hi][valid][order], k[bi, hi, kept])
-            assert torch.equal(store.values[bi, hi][valid][order], k[bi, hi, kept] + 1)
-            assert torch.equal(store.attn_mass[bi, hi][valid][order], kept.float())
-            assert torch.equal(store.slot_shard()[bi, hi][valid][order], shard[bi, hi, kept])
-    assert store.capacity_pages < pages_before
+            v = valid[bi, hi]
+            order = store.frame("pos")[bi, hi][v].argsort()
+            assert torch.equal(store.frame("pos")[bi, hi][v][order].long(), kept)
+            assert torch.equal(store.frame("keys")[bi, hi][v][order], k[bi, hi, kept])
+            assert torch.equal(store.frame("values")[bi, hi][v][order], k[bi, hi, kept] + 1)
+            assert torch.equal(store.frame("attn_mass")[bi, hi][v][order], kept.float())
+            slot_shard = store.frame("shard").repeat_interleave(p, -1)
+            assert torch.equal(slot_shard[bi, hi][v][order], shard[bi, hi, kept])
+    # each (row, head) holds exactly its own pages: whole pages per shard, at most one partly filled
+    per_shard = torch.nn.functional.one_hot(shard, s).mul(keep_tok[..., None]).sum(2)  # [B, H, S]
+    pages = per_shard.add(p - 1).div(p, rounding_mode="floor")
+    assert torch.equal(store.table.n_pages, pages.sum(-1))
+    assert store.pool.num_pages == int(pages.sum())
+    assert store.kv_nbytes() == int(pages.sum()) * p * 2 * 4 * 4 < bytes_before
+    assert not store.table.uniform
+
+
+def test_appends_after_ragged_retain_fill_open_pages_then_grow_only_their_run():
+    b, h, p, s, n = 2, 2, 4, 3, 40
+    store, g, shard, k, slot = _filled(2, b, h, p, s, n)
+    keep_tok = torch.ones(b, h, n, dtype=torch.bool)
+    keep_tok[0, 1, :30] = False  # one head keeps 10 tokens, the others 40
+    store.retain(_frame_keep(store, keep_tok))
+    more = torch.randint(0, s, (b, h, 9), generator=g)
+    k2 = torch.randn(b, h, 9, 4, generator=g)
+    new_slots = store.append(k2, k2, more, torch.arange(n, n + 9))
+    assert torch.equal(store.pool.flat("keys")[new_slots], k2)
+    assert torch.equal(store.tokens_per_shard(), torch.nn.functional.one_hot(shard, s).mul(keep_tok[..., None]).sum(2)
+                       + torch.nn.functional.one_hot(more, s).sum(2))  # fmt: skip
+    # the short head's run stays short
+    assert int(store.table.cap[0, 1]) < int(store.table.cap[0, 0])
 
 
 def _summary_reference(k, shard, mask, s):
@@ -92,29 +150,31 @@ def _summary_reference(k, shard, mask, s):
 B, H, P, S, D, N = 2, 2, 4, 3, 5, 30  # summary / bound tests: batch, KV heads, page size, shards, head dim, tokens
 
 
-def _store_and_random_keys(seed: int) -> tuple[PagedShardStore, torch.Tensor, torch.Tensor]:
+def _store_and_random_keys(seed: int) -> tuple[PagedStore, torch.Tensor, torch.Tensor]:
     """An empty ``[B, H]`` store, and ``N`` random shard ids ``[B, H, N]`` and keys ``[B, H, N, D]`` to append."""
     g = torch.Generator().manual_seed(seed)
-    store = PagedShardStore(B, H, D, D, S, P, torch.float32, torch.device("cpu"))
-    return store, torch.randint(0, S, (B, H, N), generator=g), torch.randn(B, H, N, D, generator=g)
+    return _store(B, H, D, D, S, P), torch.randint(0, S, (B, H, N), generator=g), torch.randn(B, H, N, D, generator=g)
 
 
-def test_shard_summaries_follow_appends_invalidation_and_compaction():
+def test_shard_summaries_follow_appends_invalidation_and_retain():
     store, shard, k = _store_and_random_keys(2)
     first = store.append(k[:, :, :20], k[:, :, :20], shard[:, :, :20], torch.arange(20))
+    count, total, lo, hi = _summary_reference(k[:, :, :20], shard[:, :, :20], torch.ones(B, H, 20, dtype=torch.bool), S)
+    assert torch.equal(store.stats.min, lo) and torch.equal(store.stats.max, hi)  # exact while nothing left
     pad = torch.ones(B, 20, dtype=torch.bool)
     pad[1, :6] = False  # left padding of row 1
     store.invalidate(first, pad)
-    second = store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
+    store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
     mask = torch.ones(B, H, 30, dtype=torch.bool)
     mask[1, :, :6] = False
 
     def check(mask):
         count, total, lo, hi = _summary_reference(k, shard, mask, S)
-        assert torch.equal(store.shard_count, count)
-        assert torch.allclose(store.shard_sum, total, atol=1e-5)
-        assert torch.equal(store.shard_min, lo) and torch.equal(store.shard_max, hi)
         summary = store.summary(torch.zeros_like(count))
+        assert torch.equal(store.stats.count, count) and torch.equal(summary.counts, count)
+        assert torch.allclose(store.stats.sum, total, atol=1e-5)
+        # min / max are not shrunk on removal: still bounds of every remaining key
+        assert (summary.key_min <= lo).all() and (summary.key_max >= hi).all()
         assert torch.allclose(summary.centroids, total / count.clamp(min=1)[..., None], atol=1e-6)
         for bi, hi_, si in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(S)).tolist():
             members = k[bi, hi_][mask[bi, hi_] & (shard[bi, hi_] == si)]
@@ -124,12 +184,11 @@ def test_shard_summaries_follow_appends_invalidation_and_compaction():
     check(mask)
     keep = mask.clone()
     keep[0, 1, 25:] = False  # a ragged eviction on one head
-    slots = torch.cat([first, second], 2)
-    store.compact(torch.zeros_like(store.valid).scatter_(2, slots, keep))
+    store.retain(_frame_keep(store, keep))
     check(keep)
 
 
-def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing():
+def test_page_bounds_follow_appends_invalidation_retain_and_batch_indexing():
     store, shard, k = _store_and_random_keys(3)
     store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12))
     store.enable_page_bounds()  # computed from what is stored, then maintained
@@ -139,59 +198,66 @@ def test_page_bounds_follow_appends_invalidation_compaction_and_batch_indexing()
     store.invalidate(more, pad)
     store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
 
-    def check():
-        # independent: every page's min / max over the keys of its valid slots, read slot by slot
+    def check(exact: bool):
+        # independent: every frame page's min / max over the keys of its valid slots, read slot by slot
         lo, hi, count = store.page_bounds()
+        keys, valid = store.frame("keys"), store.frame("valid")
         for bi in range(store.batch):
             for hi_ in range(H):
-                for page in range(store.capacity_pages):
+                for page in range(store.table.width()):
                     sl = slice(page * P, (page + 1) * P)
-                    keys = store.keys[bi, hi_, sl][store.valid[bi, hi_, sl]]
-                    assert count[bi, hi_, page] == keys.shape[0]
-                    if keys.shape[0]:
-                        assert torch.equal(lo[bi, hi_, page], keys.amin(0))
-                        assert torch.equal(hi[bi, hi_, page], keys.amax(0))
+                    members = keys[bi, hi_, sl][valid[bi, hi_, sl]]
+                    assert count[bi, hi_, page] == members.shape[0]
+                    if members.shape[0]:
+                        bound_lo, bound_hi = lo[bi, hi_, page], hi[bi, hi_, page]
+                        if exact:
+                            assert torch.equal(bound_lo, members.amin(0)) and torch.equal(bound_hi, members.amax(0))
+                        assert (bound_lo <= members.amin(0)).all() and (bound_hi >= members.amax(0)).all()
 
-    check()
-    assert int(store.valid.sum()) == B * H * 30 - 3 * H
-    keep = store.valid.clone()
+    check(exact=False)  # padding left the bounds of its pages loose but valid
+    assert int(store.frame("valid").sum()) == B * H * 30 - 3 * H
+    keep = store.frame("valid").clone()
     keep[0, 1, :7] = False
-    store.compact(keep)
-    check()
+    store.retain(keep)
+    check(exact=True)  # re-packed pages get exact bounds
     store.index_batch(torch.tensor([1, 1, 0]))
-    check()
-    assert store.meta_nbytes() >= 2 * store.page_min.numel() * 4
+    check(exact=True)
+    assert store.meta_nbytes() >= 2 * store.pool["key_min"].numel() * 4
 
 
-def test_gather_pages_copies_the_listed_pages_into_a_reused_workspace():
-    g = torch.Generator().manual_seed(3)
-    b, h, p, s = 2, 3, 4, 5
-    workspace: dict = {}
-    store = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"), workspace=workspace)
-    q = 40
-    store.append(
-        torch.randn(b, h, q, 8, generator=g),
-        torch.randn(b, h, q, 6, generator=g),
-        torch.randint(0, s, (b, h, q), generator=g),
-        torch.arange(q),
-    )
-    assert store.workspace_nbytes() == 0
-    held = 0
-    for n in (5, 3, 7):  # grows, then a smaller gather reuses it, then grows again
-        pages = torch.stack([torch.randperm(int(store.n_pages.min()), generator=g)[:n] for _ in range(b * h)])
-        pages = pages.view(b, h, n)
-        part = store.gather_pages(pages)
-        slots = (pages.unsqueeze(-1) * p + torch.arange(p)).view(b, h, n * p)  # reference: slot indexing
-        assert torch.equal(part["keys"], store.keys.gather(2, slots[..., None].expand(-1, -1, -1, 8)))
-        assert torch.equal(part["values"], store.values.gather(2, slots[..., None].expand(-1, -1, -1, 6)))
-        assert torch.equal(part["pos"], store.pos.gather(2, slots))
-        assert torch.equal(part["valid"], store.valid.gather(2, slots))
-        assert torch.equal(part["shard"], store.slot_shard().gather(2, slots))
-        held = max(held, n)
-        per_page = p * (8 + 6) * 4 + p * 4 + p  # fp32 keys + values, int32 pos, bool valid
-        assert store.workspace_nbytes() == b * h * held * per_page
-    # a second store given the same workspace (as PiKVCache's layers are) reuses it instead of allocating
-    other = PagedShardStore(b, h, 8, 6, s, p, torch.float32, torch.device("cpu"), workspace=workspace)
-    other.append(store.keys, store.values, store.slot_shard().clamp(min=0), torch.arange(store.keys.shape[2]))
-    other.gather_pages(pages[..., :2])
-    assert other.workspace_nbytes() == store.workspace_nbytes() == b * h * held * per_page
+def test_index_batch_reorders_rows_with_their_pages():
+    store, g, shard, k, slot = _filled(4, b=3, h=2)
+    before = {n: store.frame(n).clone() for n in ("keys", "values", "pos", "valid")}
+    counts = store.tokens_per_shard()
+    store.index_batch(torch.tensor([2, 0, 0, 1]))
+    for name, t in before.items():
+        assert torch.equal(store.frame(name), t[[2, 0, 0, 1]])
+    assert torch.equal(store.tokens_per_shard(), counts[[2, 0, 0, 1]])
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an operator returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_long_append_with_many_shards_builds_no_token_by_shard_tensor():
+    # 4096 tokens x 256 shards x 2 heads would be a 2M-element one-hot; the keys themselves are 4096 x 2 x 8
+    b, h, q, s, d = 1, 2, 4096, 256, 8
+    g = torch.Generator().manual_seed(5)
+    store = _store(b, h, d, d, s, 1)
+    shard = torch.randint(0, s, (b, h, q), generator=g)
+    k = torch.randn(b, h, q, d, generator=g)
+    with _LargestTensor() as probe:
+        store.append(k, k, shard, torch.arange(q))
+    assert probe.largest <= store.pool["keys"].numel() + s * d * h  # pool pages (with headroom) or shard sums
+    assert probe.largest < b * h * q * s

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from pikv_hf.config import ReadConfig
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``eval`` sub-command's arguments.
@@ -35,19 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--router", default="round_robin", help="PiKVCache router: round_robin | expert (MoE only) | key_cluster"
     )
     parser.add_argument("--num-shards", type=int, default=None, help="PiKVCache shards (default: experts, or 8)")
-    parser.add_argument("--selector", default="topk", help="selection router of pikv_routed")
-    parser.add_argument("--n-sink", type=int, default=4, help="sink tokens always read by pikv_routed / pikv_quest")
-    parser.add_argument("--window", type=int, default=64, help="recent tokens always read by pikv_routed / pikv_quest")
     parser.add_argument("--page-size", type=int, default=16, help="PiKVCache tokens per page")
-    parser.add_argument(
-        "--dense-layers", type=int, default=0, help="leading layers with exact decode attention (pikv_routed/quest)"
-    )
-    parser.add_argument(
-        "--mass-target",
-        type=float,
-        default=None,
-        help="pikv_routed: read ranked shards until this estimated attention mass (the ratio's k becomes a cap)",
-    )
+    ReadConfig.add_arguments(parser)  # --selector --n-sink --window --dense-layers --mass-target
     parser.add_argument("--samples", type=int, default=20, help="samples per task, length, press and ratio")
     parser.add_argument(
         "--length", nargs="+", type=int, default=[2048], help="RULER prompt length(s); LongBench truncation length"
@@ -88,12 +79,8 @@ def run(args: argparse.Namespace) -> int:
         cache=args.cache,
         router=args.router,
         num_shards=args.num_shards,
-        selector=args.selector,
-        n_sink=args.n_sink,
-        window=args.window,
         page_size=args.page_size,
-        dense_layers=args.dense_layers,
-        mass_target=args.mass_target,
+        read=ReadConfig(**ReadConfig.from_arguments(args)),
         samples=args.samples,
         lengths=list(args.length),
         tasks=tasks,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pikv_hf.checks import check_int_at_least
+from pikv_hf.config import ReadConfig
 
 MODEL_NAMES = ("smollm2", "smollm2-moe")
 CACHES = ("dynamic", "pikv")
@@ -69,17 +70,12 @@ class EvalConfig:
         PiKVCache placement router.
     num_shards : int or None
         PiKVCache shards per layer and KV head (default: the model's experts, or 8 for a dense model).
-    selector : str
-        Selection router of ``pikv_routed``.
-    n_sink, window : int
-        Sink and recent-window tokens always read by ``pikv_routed`` / ``pikv_quest``.
     page_size : int
         PiKVCache tokens per page.
-    dense_layers : int
-        Leading layers that keep exact decode attention in ``pikv_routed`` / ``pikv_quest`` (read in full).
-    mass_target : float or None
-        ``pikv_routed``: read the ranked shards until their estimated attention mass reaches this value (top-p;
-        the ``top_k_shards`` of the ratio is then a cap).
+    read : ReadConfig
+        Read options of ``pikv_routed`` / ``pikv_quest`` (``selector``, ``n_sink``, ``window``, ``dense_layers``,
+        ``mass_target``; see ``pikv_hf.config.ReadConfig``); each point sets the mode and its
+        ``top_k_shards`` / ``read_fraction`` from the ratio.
     samples : int
         Samples per task (and per length, press and ratio).
     lengths : list of int
@@ -102,12 +98,8 @@ class EvalConfig:
     cache: str = "dynamic"
     router: str = "round_robin"
     num_shards: int | None = None
-    selector: str = "topk"
-    n_sink: int = 4
-    window: int = 64
     page_size: int = 16
-    dense_layers: int = 0
-    mass_target: float | None = None
+    read: ReadConfig = field(default_factory=ReadConfig)
     samples: int = 20
     lengths: list[int] = field(default_factory=lambda: [2048])
     tasks: str = "needle"
@@ -151,17 +143,13 @@ class EvalConfig:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
         if self.num_shards is not None:
             check_int_at_least("num_shards", self.num_shards, 1)
-        # also for runs that never reach routed_settings (dynamic cache, a PATH model without num_shards)
-        check_int_at_least("n_sink", self.n_sink, 0)
-        check_int_at_least("window", self.window, 1)
         check_int_at_least("page_size", self.page_size, 1)
+        self.read.validated(None, None)  # also for runs that never build a sparse point (dynamic cache, ...)
         if self.cache == "pikv":
-            from pikv_hf.cache import routed_settings
-
             shards = self.shards()
             for press, ratio in self.points():
                 if press == "pikv_quest" or (press == "pikv_routed" and shards is not None):
-                    routed_settings(shards, measure_recall=False, **self.attention_args(press, ratio, shards))
+                    self.point_read(press, ratio, shards).validated(shards, None)
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if not self.lengths or any(n < 64 for n in self.lengths):
@@ -181,23 +169,21 @@ class EvalConfig:
             return self.num_shards
         return {"smollm2": DEFAULT_DENSE_SHARDS, "smollm2-moe": self.num_experts}.get(self.model)
 
-    def attention_args(self, press: str, ratio: float, shards: int | None) -> dict:
-        """``PiKVCache.set_attention`` arguments of a ``--cache pikv`` point: ``none`` exact, ``pikv_routed``
+    def point_read(self, press: str, ratio: float, shards: int | None) -> ReadConfig:
+        """The ``ReadConfig`` of a ``--cache pikv`` point: ``none`` exact, ``pikv_routed``
         ``top_k_shards = (1 - ratio) * shards`` (a whole number in ``[1, shards]``), ``pikv_quest``
         ``read_fraction = 1 - ratio``."""
-        args = {"top_k_shards": None, "selector": self.selector, "n_sink": self.n_sink, "window": self.window}
         if press == "none":
-            return {**args, "attention": "exact"}
-        args["dense_layers"] = self.dense_layers
+            return dataclasses.replace(self.read, attention="exact")
         if press == "pikv_quest":
-            return {**args, "attention": "quest", "read_fraction": 1.0 - ratio}
+            return dataclasses.replace(self.read, attention="quest", read_fraction=1.0 - ratio, mass_target=None)
         k = round((1.0 - ratio) * shards)
         if k < 1 or abs((1.0 - ratio) * shards - k) > 1e-6:
             raise ValueError(
                 f"ratio {ratio} with pikv_routed must skip a whole number of the {shards} shards and keep at least "
                 f"one, i.e. ratio in {{j / {shards} : j = 0 .. {shards - 1}}}"
             )
-        return {**args, "attention": "routed", "top_k_shards": k, "mass_target": self.mass_target}
+        return dataclasses.replace(self.read, attention="routed", top_k_shards=k)
 
     def points(self) -> list[tuple[str, float]]:
         """(press, ratio) pairs to run: ``none`` once at ratio 0, every other press at every ratio."""
@@ -224,10 +210,11 @@ class EvalConfig:
 
     def _pikv_fingerprint(self) -> list:
         """PiKVCache settings; the later options only when set, so directories of earlier runs still resume."""
-        extra = {"page_size": (self.page_size, 16), "dense_layers": (self.dense_layers, 0)}
-        extra["mass_target"] = (self.mass_target, None)
+        read = self.read
+        extra = {"page_size": (self.page_size, 16), "dense_layers": (read.dense_layers, 0)}
+        extra["mass_target"] = (read.mass_target, None)
         later = [f"{name}={value}" for name, (value, default) in extra.items() if value != default]
-        return [self.num_shards, self.selector, self.n_sink, self.window, *later]
+        return [self.num_shards, read.selector, read.n_sink, read.window, *later]
 
 
 def press_names() -> dict[str, str]:
@@ -518,7 +505,7 @@ def pikv_decoders(model, config: EvalConfig, context_ids):
 
     def make(press_name: str, ratio: float):
         cache = base.fork()
-        cache.set_attention(**config.attention_args(press_name, ratio, cache.num_shards))
+        cache.set_attention(config.point_read(press_name, ratio, cache.num_shards))
         return cache
 
     return make
@@ -800,7 +787,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                         kv = decoders(press_name, ratio)
                         generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
                         kept = int(ctx_ids.shape[1])
-                        if kv.routed is not None:
+                        if kv.read.sparse:
                             stats = kv.routing_stats()["overall"]
                             read = {
                                 "fraction_pages_read": round(stats["fraction_pages_read"], 4),

@@ -66,10 +66,11 @@ class KeyClusterPlacement(Placement):
             if shard is not None and torch.equal(new, shard):
                 break
             shard = new
-            onehot = torch.nn.functional.one_hot(shard, s).to(keys.dtype)  # [B,H,q,S]
-            n = onehot.sum(2).unsqueeze(-1)  # [B,H,S,1]
+            n = torch.zeros(b, h, s, 1, dtype=keys.dtype, device=keys.device)
+            n.scatter_add_(2, shard.unsqueeze(-1), torch.ones_like(keys[..., :1]))  # tokens per shard
+            sums = torch.zeros_like(prior_sum).scatter_add_(2, shard.unsqueeze(-1).expand_as(keys), keys)
             total = prior_n + n
-            mean = (prior_sum + onehot.transpose(2, 3) @ keys) / total.clamp(min=1)
+            mean = (prior_sum + sums) / total.clamp(min=1)
             centroids = torch.where(total > 0, mean, self.centroids)  # a seed nothing joined keeps its key
         self.centroids = centroids
         self.counts = self.counts + n.squeeze(-1).long()

@@ -1,0 +1,33 @@
+"""Exact log-sum-exp merge of partial attention results.
+
+Attention of a query over a set of key groups is computed as partial results ``(o_g, lse_g)`` with
+``o_g = softmax(s_g) v_g`` and ``lse_g = logsumexp(s_g)``; merging them,
+``o = sum_g exp(lse_g - lse) o_g`` with ``lse = logsumexp_g(lse_g)``, is exact. Partials may come from shard
+groups, from splits of a long KV, from devices or from ranks. Attention sinks (GPT-OSS ``s_aux``) are one more
+partial with ``o = 0`` and ``lse = sink logit``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partials ``(o [..., R, Dv], lse [..., R])`` (rows with no key: ``o = 0``, ``lse = -inf``)."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.stack([lse for _, lse in parts])  # [P, ..., R]
+    m = lse.amax(0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)
+    total = w.sum(0)
+    o = sum(wi.unsqueeze(-1) * oi for wi, (oi, _) in zip(w, parts, strict=True))
+    o = o / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    return o, m + torch.log(total)
+
+
+def sink_partial(sinks: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial of per-query-head sink logits ``sinks`` (``[Hq]``) for outputs shaped like ``like``
+    (``[B, Hq, q, Dv]``): a value-less key whose logit is the sink."""
+    b, hq, q, _ = like.shape
+    return torch.zeros_like(like), sinks.float().view(1, hq, 1).expand(b, hq, q)

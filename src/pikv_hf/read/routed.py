@@ -1,0 +1,66 @@
+"""Routed reads (PiKV Routing): each decode query reads, per row and KV head, the pages of its selected shards,
+plus the pages holding its row's sinks and recent window (of those, only the sink / recent tokens count)."""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.config import ReadConfig
+from pikv_hf.read.plan import ReadPlan
+from pikv_hf.read.policy import ExactRead, pages_from_mask, special_pages
+from pikv_hf.routing import Selector, make_selector
+from pikv_hf.routing.base import ShardSummary
+from pikv_hf.routing.scores import estimated_mass
+from pikv_hf.store import PagedStore
+
+
+class RoutedRead(ExactRead):
+    """Shard selection by the configured selector, optionally cut to a mass target (top-p)."""
+
+    def __init__(self, config: ReadConfig) -> None:
+        super().__init__(config)
+        self.selector = make_selector(config.selector, **config.selector_kwargs)
+        self.misses: torch.Tensor | None = None  # [B, H, S] selected shards that had lost tokens to eviction
+        self.shard_evicted: torch.Tensor | None = None  # [B, H, S]
+        self._last: tuple[ShardSummary, torch.Tensor] | None = None  # (summary, selected) of the last plan
+
+    def plan(
+        self, store: PagedStore, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
+    ) -> ReadPlan:
+        cfg = self.config
+        b, h, s = store.batch, store.heads, store.num_shards
+        if self.misses is None or self.misses.shape[:2] != (b, h):
+            self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=store.device)
+        summary = store.summary(self.misses)
+        selected = self.selector.select(qg, summary, cfg.top_k_shards)
+        keep = torch.ones_like(selected, dtype=torch.bool)
+        if cfg.mass_target is not None:  # shortest ranked prefix reaching the target (always >= 1 shard)
+            covered = estimated_mass(qg, summary, scale).gather(2, selected).cumsum(-1)
+            keep[..., 1:] = covered[..., :-1] < cfg.mass_target
+        chosen = torch.zeros(b, h, s, dtype=torch.bool, device=store.device).scatter_(2, selected, keep)
+        if self.shard_evicted is not None:
+            self.misses += (chosen & (self.shard_evicted > 0)).long()
+        page_shard = store.frame("shard").long()
+        full = chosen.gather(2, page_shard.clamp(min=0)) & (page_shard >= 0)
+        pages = pages_from_mask(full | special_pages(store, qpos_last, cfg.n_sink, cfg.window, row_start))
+        page_full = full.gather(2, pages.clamp(min=0)) & (pages >= 0)
+        self._last = (summary, selected)
+        return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start)
+
+    def learns(self) -> bool:
+        return type(self.selector).update is not Selector.update
+
+    def feedback(self, qg: torch.Tensor, recall: torch.Tensor) -> None:
+        summary, selected = self._last
+        self.selector.update(qg, summary, selected, recall)
+
+    def note_evicted(self, per_shard: torch.Tensor) -> None:
+        self.shard_evicted = per_shard if self.shard_evicted is None else self.shard_evicted + per_shard
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        self.misses = None if self.misses is None else self.misses.index_select(0, index)
+        self.shard_evicted = None if self.shard_evicted is None else self.shard_evicted.index_select(0, index)
+
+    def reset(self) -> None:
+        self.misses = self.shard_evicted = self._last = None
+        self.selector.reset()

@@ -1,0 +1,333 @@
+"""``PagedStore``: the expert-sharded paged KV of one layer on one device (pool + page table + shard statistics).
+
+Every token lives in one slot of one page; every page belongs to one shard and to one (batch row, KV head), whose
+page table run lists it (``table.py``). Per slot the pool holds the codec's key/value fields and:
+
+============  ========  ==========================================================================
+pos           int32     the token's sequence position (the layer's token ordinal, pads included)
+valid         bool      False for empty slots and padding
+attn_mass     float32   accumulated attention probability (``track_stats``)
+last_access   int32     position of the latest query that hit the slot
+hits          int32     queries that gave it more than a uniform share of their mass
+============  ========  ==========================================================================
+
+(the three statistics only with ``track_stats``) and per page ``shard`` (int32, -1 unused) and, once Quest reads
+are asked for, ``key_min`` / ``key_max``.
+
+The *frame* of the store is ``[B, H, W * P]``: the pages ``0 .. W - 1`` of every run (``PageTable.width``). While
+runs are uniform a field's frame is a view of the pool; after ragged eviction it is a gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.codecs import Codec, IdentityCodec
+from pikv_hf.routing.base import ShardSummary
+from pikv_hf.store.pool import FieldSpec, PagePool
+from pikv_hf.store.summary import ShardStats
+from pikv_hf.store.table import PageTable
+
+_META_FIELDS = {
+    "pos": FieldSpec((), torch.int32),
+    "valid": FieldSpec((), torch.bool, False),
+    "shard": FieldSpec((), torch.int32, -1, per_page=True),
+}
+_STAT_SPECS = {
+    "attn_mass": FieldSpec((), torch.float32),
+    "last_access": FieldSpec((), torch.int32),
+    "hits": FieldSpec((), torch.int32),
+}
+STAT_FIELDS = tuple(_STAT_SPECS)
+_POS_BITS = 32  # repack sorts by shard * 2**32 + position
+
+
+class PagedStore:
+    """Paged, sharded KV storage of one layer.
+
+    Parameters
+    ----------
+    batch, heads : int
+        Batch rows ``B`` and KV heads ``H``.
+    k_dim, v_dim : int
+        Key and value head dims (they may differ, as in DeepSeek).
+    num_shards, page_size : int
+        Shards ``S`` per (row, head) and slots ``P`` per page.
+    dtype, device
+        Model dtype of keys and values; device of every tensor.
+    codec : Codec, optional
+        How pages hold keys and values (default: identity).
+    track_stats : bool
+        Hold the per-slot attention statistics (``attn_mass``, ``last_access``, ``hits``).
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        k_dim: int,
+        v_dim: int,
+        num_shards: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        codec: Codec | None = None,
+        track_stats: bool = False,
+    ) -> None:
+        self.k_dim, self.v_dim, self.dtype, self.device = int(k_dim), int(v_dim), dtype, device
+        self.num_shards, self.page_size = int(num_shards), int(page_size)
+        self.codec = codec or IdentityCodec()
+        self.kv_fields = tuple(self.codec.fields(self.k_dim, self.v_dim, dtype))
+        specs = {**self.codec.fields(self.k_dim, self.v_dim, dtype), **_META_FIELDS}
+        self.pool = PagePool({**specs, **(_STAT_SPECS if track_stats else {})}, page_size, device)
+        self.table = PageTable(batch, heads, num_shards, page_size, device)
+        self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
+        self._sums_stale = False
+
+    @property
+    def batch(self) -> int:
+        return self.table.batch
+
+    @property
+    def heads(self) -> int:
+        return self.table.heads
+
+    @property
+    def stat_fields(self) -> tuple[str, ...]:
+        return tuple(n for n in STAT_FIELDS if n in self.pool.fields)
+
+    @property
+    def page_bounds_kept(self) -> bool:
+        return "key_min" in self.pool.fields
+
+    # ------------------------------------------------------------------ layout
+    def _relayout(self, cap: torch.Tensor, src_start: torch.Tensor, n_pages: torch.Tensor) -> None:
+        """Runs of capacity ``cap``; run ``i`` takes the ``n_pages[i]`` pages starting at old page ``src_start[i]``."""
+        total = self.table.set_caps(cap)
+        src = torch.full((total,), -1, dtype=torch.int64, device=self.device)
+        j = torch.arange(int(n_pages.max()) if n_pages.numel() else 0, device=self.device)
+        used = j < n_pages.unsqueeze(-1)
+        src[(self.table.start.unsqueeze(-1) + j)[used]] = (src_start.unsqueeze(-1) + j)[used]
+        self.pool.remap_pages(src)
+
+    def _reserve(self, need: torch.Tensor) -> None:
+        """Grow the runs that need more than ``need`` (``[B, H]``) pages, with 1/64 headroom (uniform stays uniform)."""
+        t = self.table
+        if not bool((need > t.cap).any()):
+            return
+        if t.uniform:
+            top = int(need.max())
+            cap = torch.full_like(t.cap, top + top // 64)
+        else:
+            cap = torch.where(need > t.cap, need + need // 64, t.cap)
+        self._relayout(cap, t.start, t.n_pages)
+
+    # ------------------------------------------------------------------ writes
+    def append(self, keys: torch.Tensor, values: torch.Tensor, shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Store new tokens in their shards' pages.
+
+        Parameters
+        ----------
+        keys, values : torch.Tensor
+            ``[B, H, q, Dk]`` and ``[B, H, q, Dv]``.
+        shard : torch.Tensor
+            ``[B, H, q]`` int64 shard ids in ``[0, S)``.
+        pos : torch.Tensor
+            ``[q]`` or ``[B, H, q]`` sequence positions.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[B, H, q]`` int64 flat pool slot id of every token.
+        """
+        b, h, q = shard.shape
+        a = self.table.assign(shard)
+        self._reserve(a.need)
+        self.table.commit(a)
+        page = self.table.start.unsqueeze(-1) + a.local_page
+        slot = page * self.page_size + a.offset
+        flat = slot.reshape(-1)
+        encoded = self.codec.encode(keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim))
+        for name, t in encoded.items():
+            self.pool.write(name, flat, t)
+        self.pool.write("pos", flat, pos.to(torch.int32).expand(b, h, q).reshape(-1))
+        self.pool.write("valid", flat, torch.ones(flat.numel(), dtype=torch.bool, device=self.device))
+        for name in self.stat_fields:
+            self.pool.write(
+                name, flat, torch.zeros(flat.numel(), dtype=self.pool.specs[name].dtype, device=self.device)
+            )
+        self.pool["shard"].index_copy_(0, page.reshape(-1), shard.reshape(-1).to(torch.int32))
+        k = keys.reshape(-1, self.k_dim)
+        self.stats.add(self._bhs(shard).reshape(-1), k)
+        if self.page_bounds_kept:
+            self._fold_page_bounds(page.reshape(-1), k)
+        return slot
+
+    def _bhs(self, shard: torch.Tensor) -> torch.Tensor:
+        """Flat ``(row, head, shard)`` index of ``[B, H, n]`` shard ids."""
+        b, h, _ = shard.shape
+        bh = torch.arange(b * h, device=shard.device).view(b, h, 1)
+        return bh * self.num_shards + shard
+
+    def _fold_page_bounds(self, page: torch.Tensor, keys: torch.Tensor) -> None:
+        k = keys.float()
+        idx = page.unsqueeze(-1).expand_as(k)
+        self.pool["key_min"].scatter_reduce_(0, idx, k, "amin")
+        self.pool["key_max"].scatter_reduce_(0, idx, k, "amax")
+
+    def invalidate(self, slot: torch.Tensor, keep: torch.Tensor) -> None:
+        """Clear the valid bit of appended ``slot`` entries (``[B, H, q]``) where ``keep`` (``[B, q]``) is False
+        (padding); their keys leave the shard sums and counts (min / max stay valid bounds)."""
+        drop = ~keep.unsqueeze(1).expand_as(slot)
+        if not bool(drop.any()):
+            return
+        gone = slot[drop]
+        shard = self.pool["shard"][gone.div(self.page_size, rounding_mode="floor")].long()
+        bh = torch.arange(self.batch * self.heads, device=self.device).view(self.batch, self.heads, 1)
+        self.stats.add(
+            (bh.expand_as(slot)[drop]) * self.num_shards + shard, self.codec.slot_keys(self.pool, gone), sign=-1
+        )
+        self.pool.flat("valid")[gone] = False
+
+    def retain(self, keep: torch.Tensor) -> torch.Tensor:
+        """Keep only the frame slots where ``keep`` (``[B, H, W * P]`` bool) is True; returns ``[B, H]`` valid tokens
+        removed.
+
+        Kept tokens are re-packed shard by shard in position order into exactly as many pages as they need (at most
+        one partly filled page per (row, head, shard)), with their statistics; the pool is reallocated to that size,
+        so freed pages are really released. One copy of the kept slots; no token is re-appended.
+        """
+        p, s = self.page_size, self.num_shards
+        slots = self.frame_slots()
+        valid = self.frame("valid") & (slots >= 0)
+        kept = keep & valid
+        removed = valid & ~kept
+        shard = self.frame("shard").long().clamp(min=0).repeat_interleave(p, dim=-1)
+        pos = self.frame("pos").to(torch.int64)
+        order = torch.where(kept, (shard << _POS_BITS) + pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+        m = kept.sum(-1)
+        length = int(m.max()) if m.numel() else 0
+        order = order[..., :length]
+        ok = torch.arange(length, device=self.device) < m.unsqueeze(-1)
+        src = slots.gather(2, order)[ok]
+        sh = shard.gather(2, order).masked_fill(~ok, 0)
+        count = torch.zeros(self.batch, self.heads, s, dtype=torch.int64, device=self.device)
+        count.scatter_add_(2, sh, ok.long())
+        npg = count.add(p - 1).div(p, rounding_mode="floor")
+        page_base = npg.cumsum(-1) - npg
+        rank = torch.arange(length, device=self.device) - (count.cumsum(-1) - count).gather(2, sh)
+        local = page_base.gather(2, sh) + rank.div(p, rounding_mode="floor")
+
+        t = self.table
+        n_pages = npg.sum(-1)
+        total = t.set_caps(n_pages)
+        page = (t.start.unsqueeze(-1) + local)[ok]
+        dst = page * p + (rank % p)[ok]
+        shard_of_page = torch.full((total,), -1, dtype=torch.int32, device=self.device)
+        shard_of_page.index_copy_(0, page, sh[ok].to(torch.int32))
+        src_of_slot = torch.full((total * p,), -1, dtype=torch.int64, device=self.device)
+        src_of_slot[dst] = src
+        bounds = self.page_bounds_kept
+        self.pool.remap_slots(src_of_slot, {"shard": shard_of_page})
+        t.n_pages = n_pages
+        t.open_page = torch.where(count > 0, page_base + npg - 1, -1)
+        t.open_fill = torch.where(count > 0, count - (npg - 1) * p, 0)
+        self.stats.count = count
+        self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
+        if bounds:
+            self._rebuild_page_bounds()
+        return removed.sum(-1)
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        """Keep / reorder batch rows along ``index`` (int64 ``[B']``)."""
+        t = self.table
+        src_start, cap = t.start.index_select(0, index), t.cap.index_select(0, index)
+        t.index_batch(index)
+        self._relayout(cap, src_start, t.n_pages)
+        self.stats.index_batch(index)
+
+    def add_stats(self, slots: torch.Tensor, mass: torch.Tensor, hit: torch.Tensor, step: int) -> None:
+        """Add attention ``mass`` (float32) and ``hit`` (bool) of the flat slot ids ``slots`` (all ``[M]``, ``-1``:
+        skip); hit slots get ``last_access = step``."""
+        ok = slots >= 0
+        slots, mass, hit = slots[ok], mass[ok], hit[ok]
+        self.pool.flat("attn_mass").index_add_(0, slots, mass)
+        self.pool.flat("hits").index_add_(0, slots, hit.to(torch.int32))
+        hit_slots = slots[hit]
+        self.pool.flat("last_access")[hit_slots] = step
+
+    # ------------------------------------------------------------------ reads
+    def frame_slots(self) -> torch.Tensor:
+        """``[B, H, W * P]`` flat pool slot id of every frame slot (``-1`` past a run's capacity)."""
+        pages = self.table.pages()
+        slots = (pages.unsqueeze(-1) * self.page_size + torch.arange(self.page_size, device=self.device)).flatten(2)
+        return torch.where(pages.repeat_interleave(self.page_size, dim=-1) >= 0, slots, -1)
+
+    def frame(self, name: str) -> torch.Tensor:
+        """Field ``name`` over the frame: ``[B, H, W * P, ...]`` for a slot field, ``[B, H, W, ...]`` for a page field.
+        A view of the pool while runs are uniform, a gathered copy otherwise."""
+        t = self.table
+        b, h, w, p = self.batch, self.heads, t.width(), self.page_size
+        spec = self.pool.specs[name]
+        per = (w,) if spec.per_page else (w * p,)
+        if t.uniform:
+            return self.pool[name].view(b, h, *per, *spec.shape)
+        pages = t.pages().reshape(-1)
+        g = self.pool.gather(name, pages.clamp(min=0))
+        missing = (pages < 0).view(-1, *([1] * (g.dim() - 1)))
+        if spec.per_page or name == "valid":
+            g = g.masked_fill(missing, spec.fill)
+        return g.reshape(b, h, *per, *spec.shape)
+
+    def frame_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded keys ``[B, H, W * P, Dk]`` and values ``[B, H, W * P, Dv]`` over the frame."""
+        return self.codec.decode({n: self.frame(n) for n in self.kv_fields})
+
+    def summary(self, misses: torch.Tensor) -> ShardSummary:
+        """The shard summaries a selector reads (key sums recounted first if an eviction left them stale)."""
+        if self._sums_stale:
+            t = self.table
+            run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(t.cap.reshape(-1))
+            keys, _ = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
+            valid = self.pool["valid"]
+            shard = self.pool["shard"].long().clamp(min=0)
+            self.stats.recount(run * self.num_shards + shard, keys * valid.unsqueeze(-1))
+            self._sums_stale = False
+        return self.stats.summary(misses)
+
+    def tokens_per_shard(self) -> torch.Tensor:
+        """``[B, H, S]`` valid tokens held by each shard."""
+        return self.stats.count.clone()
+
+    def enable_page_bounds(self) -> None:
+        """Keep per-page key min / max from now on (computed once here from the stored keys)."""
+        if not self.page_bounds_kept:
+            for name, fill in (("key_min", float("inf")), ("key_max", float("-inf"))):
+                self.pool.add_field(name, FieldSpec((self.k_dim,), torch.float32, fill, per_page=True))
+            self._rebuild_page_bounds()
+
+    def _rebuild_page_bounds(self) -> None:
+        keys, _ = self.codec.decode({n: self.pool[n] for n in self.kv_fields})  # [N, P, Dk]
+        valid = self.pool["valid"].unsqueeze(-1)
+        self.pool["key_min"].copy_(keys.float().masked_fill(~valid, float("inf")).amin(1))
+        self.pool["key_max"].copy_(keys.float().masked_fill(~valid, float("-inf")).amax(1))
+
+    def page_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quest's page metadata over the frame's pages: ``(key_min, key_max)`` ``[B, H, W, Dk]`` and valid tokens per
+        page ``[B, H, W]``."""
+        if not self.page_bounds_kept:
+            raise RuntimeError("page bounds are not kept: call enable_page_bounds() first")
+        b, h, w, p = self.batch, self.heads, self.table.width(), self.page_size
+        count = self.frame("valid").view(b, h, w, p).sum(-1)
+        return self.frame("key_min"), self.frame("key_max"), count
+
+    def kv_nbytes(self) -> int:
+        """Bytes allocated for the codec's key/value fields."""
+        return self.pool.nbytes(self.kv_fields)
+
+    def meta_nbytes(self) -> int:
+        """Bytes allocated for positions, valid bits, statistics, page shards and bounds, page table, shard sums."""
+        t = self.table
+        table = sum(x.numel() * x.element_size() for x in (t.start, t.cap, t.n_pages, t.open_page, t.open_fill))
+        meta = tuple(n for n in self.pool.fields if n not in self.kv_fields)
+        return self.pool.nbytes(meta) + table + self.stats.nbytes()

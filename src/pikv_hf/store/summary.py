@@ -1,0 +1,69 @@
+"""Incremental per-shard key statistics of one layer: what a selector reads instead of the keys.
+
+Per batch row, KV head and shard: the sum and sum of squares of the valid keys (mean and per-dimension variance),
+their count and their element-wise min / max. Appends add; padding subtracts; eviction sets the counts and leaves the
+sums to be recounted from the re-packed pages when a selector next reads them.
+Min / max are not recomputed on removal: a bound over a superset of the keys is still a valid bound (Quest's
+``q . k`` upper bound stays an upper bound).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.routing.base import ShardSummary
+
+
+class ShardStats:
+    """``[B, H, S, Dk]`` float32 sums / squares / min / max and ``[B, H, S]`` int64 counts of the valid keys."""
+
+    def __init__(self, batch: int, heads: int, num_shards: int, k_dim: int, device: torch.device) -> None:
+        shape = (batch, heads, num_shards)
+        self.sum = torch.zeros(*shape, k_dim, device=device)
+        self.sq = torch.zeros_like(self.sum)
+        self.count = torch.zeros(shape, dtype=torch.int64, device=device)
+        self.min = torch.full_like(self.sum, float("inf"))
+        self.max = torch.full_like(self.sum, float("-inf"))
+
+    def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1) -> None:
+        """Fold ``[M, Dk]`` keys of flat ``(row, head, shard)`` ids ``bhs`` (``[M]``) in (``sign=1``) or out
+        (``sign=-1``)."""
+        k = keys.float()
+        d = k.shape[-1]
+        self.sum.view(-1, d).index_add_(0, bhs, k, alpha=sign)
+        self.sq.view(-1, d).index_add_(0, bhs, k * k, alpha=sign)
+        self.count.view(-1).index_add_(0, bhs, torch.ones_like(bhs), alpha=sign)
+        if sign > 0:
+            idx = bhs.unsqueeze(-1).expand_as(k)
+            self.min.view(-1, d).scatter_reduce_(0, idx, k, "amin")
+            self.max.view(-1, d).scatter_reduce_(0, idx, k, "amax")
+
+    def recount(self, bhs: torch.Tensor, keys: torch.Tensor) -> None:
+        """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]`` (zero in slots that hold no valid token)
+        and the flat ``(row, head, shard)`` id of each page ``bhs`` ``[N]``. Counts are the caller's; min / max are
+        kept (after a removal they still bound the keys)."""
+        k = keys.float()
+        d = k.shape[-1]
+        self.sum.zero_().view(-1, d).index_add_(0, bhs, k.sum(1))
+        self.sq.zero_().view(-1, d).index_add_(0, bhs, (k * k).sum(1))
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        for name in ("sum", "sq", "count", "min", "max"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+
+    def summary(self, misses: torch.Tensor) -> ShardSummary:
+        """The shards as a selector sees them (every shard is resident: no offload tier yet)."""
+        n = self.count.clamp(min=1).unsqueeze(-1)
+        centroids = self.sum / n
+        return ShardSummary(
+            centroids=centroids,
+            counts=self.count,
+            key_min=self.min,
+            key_max=self.max,
+            resident=torch.ones_like(self.count, dtype=torch.bool),
+            misses=misses,
+            key_var=(self.sq / n - centroids.square()).clamp(min=0),
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.sum, self.sq, self.count, self.min, self.max))

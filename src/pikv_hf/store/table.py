@@ -1,0 +1,119 @@
+"""The page table of one layer: which pool pages every (batch row, KV head) owns, and each shard's open page.
+
+Every ``(row, head)`` owns one contiguous run of pool pages ``[start, start + cap)``, of which the first
+``n_pages`` are in use; its pages are numbered locally ``0 .. n_pages - 1`` (allocation order, shards
+interleaved) and a page's global id is ``start + local``. Runs are laid out back to back (``start`` is the
+exclusive cumulative sum of ``cap``), so when every run has the same capacity (no ragged budget yet) a field of the
+pool *is* a ``[B, H, cap * P, ...]`` tensor and exact attention reads it without a copy. Ragged budgets give
+ragged runs: each (row, head) then holds only its own pages, and a read gathers pages through :meth:`pages`.
+
+Tensors (``B`` batch, ``H`` KV heads, ``S`` shards), all int64 on the pool's device:
+
+==========  ==============  ===================================================
+start       ``[B, H]``      first pool page of the run
+cap         ``[B, H]``      pages reserved by the run
+n_pages     ``[B, H]``      pages in use
+open_page   ``[B, H, S]``   local index of each shard's open page (-1: none)
+open_fill   ``[B, H, S]``   tokens in that page
+==========  ==============  ===================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Assignment:
+    """Where an append puts each new token (``[B, H, q]``) and what it does to the open pages (``[B, H, S]``)."""
+
+    local_page: torch.Tensor
+    offset: torch.Tensor
+    need: torch.Tensor  # [B, H] pages in use after the append
+    open_page: torch.Tensor
+    open_fill: torch.Tensor
+    count: torch.Tensor  # [B, H, S] new tokens per shard
+
+
+class PageTable:
+    """Runs of pool pages per (row, KV head); see the module docstring."""
+
+    def __init__(self, batch: int, heads: int, num_shards: int, page_size: int, device: torch.device) -> None:
+        self.page_size, self.num_shards, self.device = int(page_size), int(num_shards), device
+        z = torch.zeros(batch, heads, dtype=torch.int64, device=device)
+        self.start, self.cap, self.n_pages = z, z.clone(), z.clone()
+        self.open_page = torch.full((batch, heads, self.num_shards), -1, dtype=torch.int64, device=device)
+        self.open_fill = torch.zeros_like(self.open_page)
+        self.uniform = True  # every run has the same capacity: fields are [B, H, cap * P, ...] views
+
+    @property
+    def batch(self) -> int:
+        return self.start.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.start.shape[1]
+
+    def set_caps(self, cap: torch.Tensor) -> int:
+        """Lay runs of capacity ``cap`` (``[B, H]``) back to back; returns the pool size in pages."""
+        self.cap = cap
+        flat = cap.reshape(-1)
+        self.start = (flat.cumsum(0) - flat).view_as(cap)
+        self.uniform = bool((flat == flat[:1]).all()) if flat.numel() else True
+        return int(flat.sum())
+
+    def width(self) -> int:
+        """Pages per (row, head) in the frame of :meth:`pages`: the capacity when uniform, else the most in use."""
+        if not self.cap.numel():
+            return 0
+        return int(self.cap.reshape(-1)[0]) if self.uniform else int(self.n_pages.max())
+
+    def pages(self, local: torch.Tensor | None = None) -> torch.Tensor:
+        """Global pool page ids (``-1`` where none) of local pages ``local`` (``[B, H, n]``, ``-1`` padded), by
+        default of the frame ``0 .. width() - 1`` of every run (reserved but unused pages included)."""
+        if local is None:
+            local = torch.arange(self.width(), device=self.device).expand(self.batch, self.heads, -1)
+        ok = (local >= 0) & (local < self.cap.unsqueeze(-1))
+        return torch.where(ok, self.start.unsqueeze(-1) + local, -1)
+
+    def assign(self, shard: torch.Tensor) -> Assignment:
+        """Pages and offsets of new tokens of shards ``shard`` (``[B, H, q]`` int64), appended in order to their
+        shard's open page, then to new pages; nothing is changed until :meth:`commit`."""
+        b, h, q = shard.shape
+        p, s = self.page_size, self.num_shards
+        # rank of each token among the new tokens of its shard, by a stable sort (no [B, H, q, S] one-hot)
+        order = shard.argsort(dim=-1, stable=True)
+        count = torch.zeros(b, h, s, dtype=torch.int64, device=shard.device).scatter_add_(
+            2, shard, torch.ones_like(shard)
+        )
+        first = count.cumsum(-1) - count
+        sorted_shard = shard.gather(2, order)
+        sorted_rank = torch.arange(q, device=shard.device) - first.gather(2, sorted_shard)
+        rank = torch.empty_like(shard).scatter_(2, order, sorted_rank)
+
+        base = torch.where(self.open_page >= 0, self.open_fill, p)  # fill of each shard's open page (P: none)
+        n_new = (base + count - p).clamp(min=0).add(p - 1).div(p, rounding_mode="floor")  # new pages per shard
+        first_new = self.n_pages.unsqueeze(-1) + n_new.cumsum(-1) - n_new
+        t = base.gather(-1, shard) + rank  # offset from the start of the shard's open page
+        in_open = t < p
+        local_page = torch.where(in_open, self.open_page.gather(-1, shard), first_new.gather(-1, shard) + (t - p) // p)
+        offset = torch.where(in_open, t, (t - p) % p)
+        return Assignment(
+            local_page=local_page,
+            offset=offset,
+            need=self.n_pages + n_new.sum(-1),
+            open_page=torch.where(n_new > 0, first_new + n_new - 1, self.open_page),
+            open_fill=torch.where(n_new > 0, base + count - p * n_new, base + count),
+            count=count,
+        )
+
+    def commit(self, a: Assignment) -> None:
+        self.n_pages, self.open_page, self.open_fill = a.need, a.open_page, a.open_fill
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        """Rows along ``index``; ``start`` / ``cap`` are left for the caller's relayout."""
+        self.n_pages = self.n_pages.index_select(0, index)
+        self.open_page = self.open_page.index_select(0, index)
+        self.open_fill = self.open_fill.index_select(0, index)
