@@ -41,7 +41,7 @@ def ragged(context: int, shards: int, page_size: int, gen: torch.Generator) -> d
     before = cache.kv_nbytes()
     share = torch.tensor([1.0 if i % 2 == 0 else 0.125 for i in range(h)])
     keep_tok = torch.rand(1, h, context, generator=gen).argsort(-1).argsort(-1) < (share * context).view(1, h, 1)
-    frame_pos = st.frame("pos").long().clamp(max=context - 1)
+    frame_pos = st.frame("pos").long().clamp(min=0, max=context - 1)
     layer.evict(st.frame("valid") & keep_tok.gather(2, frame_pos))
     after = cache.kv_nbytes()
     token_bytes = (st.k_dim + st.v_dim) * st.pool["keys"].element_size()

@@ -46,6 +46,18 @@ def pikv(model, router: str = "round_robin", **kwargs) -> PiKVCache:
     return PiKVCache(model, router=router, **kwargs)
 
 
+def byte_tokenizer():
+    """A byte-level tokenizer over the tiny models' 256-token vocabulary (offline; for kvpress's pipeline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<", eos_token=">")
+
+
 def slot_shard(store) -> torch.Tensor:
     """``[B, H, W * P]`` shard of every frame slot of a store."""
     return store.frame("shard").repeat_interleave(store.page_size, dim=-1)
@@ -67,6 +79,7 @@ SCENARIO_CASES = [(a, "key_cluster" if a == "llama" else "expert") for a in TINY
 
 __all__ = [
     "ARCH_ROUTER_CASES",
+    "byte_tokenizer",
     "SCENARIO_CASES",
     "DynamicCache",
     "TOL",

@@ -62,13 +62,17 @@ def test_crop_then_continue_matches_dynamic_cache(max_length):
     assert _step(ref, model, ref_cache, cache, prompt(4, batch=3, seed=6)) < TOL
 
 
-def test_crop_after_eviction_raises_and_keeps_state():
+def test_crop_after_eviction_keeps_the_positions_below_the_cut():
     _, _, _, cache = _prefilled()
     layer = cache.layers[1]
     layer.evict(layer.store.frame("valid") & (layer.store.frame("pos") != 3))
-    with pytest.raises(RuntimeError, match="crop\\(\\) is undefined after 1 tokens were evicted"):
-        cache.crop(10)
-    assert cache.get_seq_length() == 30
+    cache.crop(10)
+    assert cache.get_seq_length() == 10 and layer.evicted.unique().tolist() == [1]
+    stored = layer.view().pos
+    assert stored.shape[-1] == 9 and torch.equal(stored, torch.tensor([0, 1, 2, 4, 5, 6, 7, 8, 9]).expand_as(stored))
+    assert layer.get_mask_sizes(torch.tensor([10])) == (10, 1)
+    cache.crop(2)  # the evicted position is cut too: nothing evicted below the new length
+    assert layer.evicted.unique().tolist() == [0] and layer.get_mask_sizes(torch.tensor([2])) == (3, 0)
 
 
 def test_attention_after_ragged_eviction_equals_dense_attention_over_kept_tokens():
@@ -81,7 +85,7 @@ def test_attention_after_ragged_eviction_equals_dense_attention_over_kept_tokens
     cache.update(keys, values, 0)
     keep = torch.rand(b, h, t, generator=gen) < 0.5  # a different budget per (row, head)
     keep[..., -1] = True
-    frame_pos = layer.store.frame("pos").long().clamp(max=t - 1)
+    frame_pos = layer.store.frame("pos").long().clamp(min=0, max=t - 1)
     layer.evict(layer.store.frame("valid") & keep.gather(2, frame_pos))
     new_k, new_v = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
     view, _ = cache.update(new_k, new_v, 0)

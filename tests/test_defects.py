@@ -195,7 +195,7 @@ def test_decode_after_ragged_eviction_grows_runs_and_stays_exact(page_size):
     keys, values = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen)
     cache.update(keys, values, 0)
     keep = torch.rand(B, H, T, generator=gen) < torch.tensor([0.9, 0.125]).view(1, H, 1)  # ragged per head
-    frame_pos = layer.store.frame("pos").long().clamp(max=T - 1)
+    frame_pos = layer.store.frame("pos").long().clamp(min=0, max=T - 1)
     layer.evict(layer.store.frame("valid") & keep.gather(2, frame_pos))
     assert not layer.store.table.uniform
     for step in range(3 * page_size + 5):

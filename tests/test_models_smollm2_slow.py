@@ -61,3 +61,25 @@ def test_upcycled_smollm2_equals_dense_and_routes_by_content(smollm2):
     assert (dense_logits - moe_logits).abs().max().item() < 1e-3
     assert torch.equal(dense_logits.argmax(-1), moe_logits.argmax(-1))
     assert len(torch.unique(chosen[0])) >= 4  # held-out tokens spread over the experts
+
+
+def test_kvpress_pipeline_on_a_pikv_cache_answers_like_dynamic_cache(smollm2):
+    from kvpress import SnapKVPress
+    from transformers import DynamicCache, pipeline
+
+    from pikv_hf import PiKVCache
+    from pikv_hf.eval.ruler import essay_sentences
+
+    model, tok = smollm2
+    context = (
+        " ".join(essay_sentences()[:40])
+        + " The secret code of the vault is 4417. "
+        + " ".join(essay_sentences()[40:80])
+    )
+    questions = ["What is the secret code of the vault?", "Who wrote these essays?"]
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    for press in (None, SnapKVPress(compression_ratio=0.5)):
+        dyn = pipe(context, questions=questions, press=press, cache=DynamicCache(), max_new_tokens=12)["answers"]
+        with PiKVCache(model) as cache:
+            ours = pipe(context, questions=questions, press=press, cache=cache, max_new_tokens=12)["answers"]
+        assert ours == dyn and all(dyn), (press, dyn, ours)

@@ -80,7 +80,7 @@ def _filled(seed, b=2, h=2, p=4, s=3, n=40, d=4):
 
 def _frame_keep(store, keep_tok):
     """Frame mask (``[B, H, W * P]``) of the tokens at positions where ``keep_tok`` (``[B, H, n]``) holds."""
-    pos = store.frame("pos").long().clamp(max=keep_tok.shape[-1] - 1)
+    pos = store.frame("pos").long().clamp(min=0, max=keep_tok.shape[-1] - 1)
     return store.frame("valid") & keep_tok.gather(2, pos)
 
 
@@ -158,12 +158,12 @@ def _store_and_random_keys(seed: int) -> tuple[PagedStore, torch.Tensor, torch.T
 
 def test_shard_summaries_follow_appends_invalidation_and_retain():
     store, shard, k = _store_and_random_keys(2)
-    first = store.append(k[:, :, :20], k[:, :, :20], shard[:, :, :20], torch.arange(20))
+    store.append(k[:, :, :20], k[:, :, :20], shard[:, :, :20], torch.arange(20))
     count, total, lo, hi = _summary_reference(k[:, :, :20], shard[:, :, :20], torch.ones(B, H, 20, dtype=torch.bool), S)
     assert torch.equal(store.stats.min, lo) and torch.equal(store.stats.max, hi)  # exact while nothing left
     pad = torch.ones(B, 20, dtype=torch.bool)
     pad[1, :6] = False  # left padding of row 1
-    store.invalidate(first, pad)
+    store.invalidate(0, pad)
     store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
     mask = torch.ones(B, H, 30, dtype=torch.bool)
     mask[1, :, :6] = False
@@ -192,10 +192,10 @@ def test_page_bounds_follow_appends_invalidation_retain_and_batch_indexing():
     store, shard, k = _store_and_random_keys(3)
     store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12))
     store.enable_page_bounds()  # computed from what is stored, then maintained
-    more = store.append(k[:, :, 12:20], k[:, :, 12:20], shard[:, :, 12:20], torch.arange(12, 20))
+    store.append(k[:, :, 12:20], k[:, :, 12:20], shard[:, :, 12:20], torch.arange(12, 20))
     pad = torch.ones(B, 8, dtype=torch.bool)
     pad[1, :3] = False
-    store.invalidate(more, pad)
+    store.invalidate(12, pad)
     store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
 
     def check(exact: bool):

@@ -12,6 +12,7 @@ one forward (see docs/ARCHITECTURE.md):
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
 import torch
@@ -22,13 +23,24 @@ from transformers.cache_utils import Cache
 from pikv_hf.attention import TorchBackend
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
-from pikv_hf.hf import attach
+from pikv_hf.hf import attach, detach
 from pikv_hf.layer import PagedKV, PiKVLayer
 from pikv_hf.read import RoutingStats
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
-from pikv_hf.routing.expert import num_experts_of
+from pikv_hf.routing.expert import decoder_layers, num_experts_of
 
 DEFAULT_DENSE_SHARDS = 8
+
+
+def sliding_layers(text_config: PretrainedConfig) -> list[bool]:
+    """Which decoder layers slide, read as ``DynamicCache(config)`` reads it (``layer_types``, else all layers when
+    the config has a sliding window)."""
+    n = text_config.num_hidden_layers
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        window = getattr(text_config, "sliding_window", None) or getattr(text_config, "attention_chunk_size", None)
+        return [window is not None] * n
+    return [t in ("sliding_attention", "chunked_attention") for t in types[:n]]
 
 
 def _expert_tap(model: nn.Module) -> ExpertTap:
@@ -65,6 +77,10 @@ class PiKVCache(Cache):
         Decode-time reads: ``"exact"`` (default), ``"routed"`` (each query reads only its ``top_k_shards``
         selected shards plus sinks and a recent window) or ``"quest"`` (Quest's per-page selection); a
         ``ReadConfig`` may be given instead.
+    max_cache_len : int, optional
+        Reserve pages for this many tokens per (row, KV head) at the first update and never move them: the exact
+        decode step then runs without host synchronisation, so ``torch.compile`` captures it in one graph and the
+        cache reports ``is_compileable`` (as ``StaticCache`` does). Default: grow as tokens arrive.
     **read_options
         The other ``ReadConfig`` fields (``top_k_shards``, ``selector``, ``selector_kwargs``, ``n_sink``,
         ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``, ``measure_recall``, ``reward_every``);
@@ -74,6 +90,8 @@ class PiKVCache(Cache):
     --------
     >>> cache = PiKVCache(model, router="expert")
     >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    >>> with PiKVCache(model) as cache:  # the model's previous attention is restored on exit
+    ...     out = model.generate(**inputs, past_key_values=cache)
     """
 
     def __init__(
@@ -85,6 +103,7 @@ class PiKVCache(Cache):
         shard_groups: int = 1,
         track_stats: bool = False,
         attention: str | ReadConfig = "exact",
+        max_cache_len: int | None = None,
         **read_options: Any,
     ) -> None:
         is_model = isinstance(model, nn.Module)
@@ -100,6 +119,8 @@ class PiKVCache(Cache):
             num_shards = num_experts or DEFAULT_DENSE_SHARDS
         check_int_at_least("num_shards", num_shards, 1)
         check_int_at_least("page_size", page_size, 1)
+        if max_cache_len is not None:
+            check_int_at_least("max_cache_len", max_cache_len, 1)
         if not isinstance(shard_groups, int) or not 1 <= shard_groups <= num_shards:
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
         n_layers = text_config.num_hidden_layers
@@ -110,17 +131,42 @@ class PiKVCache(Cache):
         if is_model:
             attach(model)
         self.backend = TorchBackend()  # one scratch workspace for all layers: they attend one after the other
+        modules = [getattr(la, "self_attn", None) for la in decoder_layers(model)] if is_model else [None] * n_layers
+        sliding = sliding_layers(text_config)
         layers = [
             PiKVLayer(
-                i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats, read, self.backend
+                i,
+                make_placement(router, num_shards, i, tap),
+                page_size,
+                shard_groups,
+                track_stats,
+                read,
+                self.backend,
+                is_sliding=sliding[i],
+                attention_module=modules[i],
+                max_cache_len=max_cache_len,
             )
             for i in range(n_layers)
         ]
         super().__init__(layers=layers)
+        self._model = weakref.ref(model) if is_model else None
         self.router = router
         self.num_shards = num_shards
         self.page_size = page_size
         self.read = read
+
+    def detach(self) -> None:
+        """Give the model back the attention implementation it had before this cache attached it, so caches other
+        than PiKVCache see exactly the computation they would without pikv_hf (also on leaving a ``with`` block)."""
+        model = None if self._model is None else self._model()
+        if model is not None:
+            detach(model)
+
+    def __enter__(self) -> PiKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
 
     def set_attention(self, attention: str | ReadConfig = "exact", **read_options: Any) -> None:
         """Switch every layer's decode-time reads (arguments as in the constructor).
@@ -157,11 +203,10 @@ class PiKVCache(Cache):
         assert copied.backend is backend
         return copied
 
-    def crop(self, max_length: int) -> None:
-        """Crop every layer to ``max_length`` tokens; raises before touching any layer if one has evicted tokens."""
+    def __iter__(self):
+        """``(keys, values, None)`` per layer, as ``DynamicCache`` iterates (the views are position-ordered copies)."""
         for layer in self.layers:
-            layer.check_croppable()
-        super().crop(max_length)
+            yield layer.keys, layer.values, None
 
     def tokens_per_shard(self) -> torch.Tensor:
         """``[L, S]`` valid tokens per shard and layer, summed over batch rows and KV heads."""

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,11 +15,27 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
-from pikv_hf.attention import Partial, TorchBackend
+from pikv_hf.attention import Partial, TorchBackend, allowed_mask
 from pikv_hf.config import ReadConfig
+from pikv_hf.constants import ATTN_IMPLEMENTATION
 from pikv_hf.read import ReadPlan, RoutingStats, make_policy, sink_or_recent
 from pikv_hf.routing import Placement, PlacementContext
 from pikv_hf.store import PagedStore
+from pikv_hf.view import DenseView, dense_view, match_rows, prefix_length
+
+
+def _is_gather(given: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``new`` is ``given`` gathered at ``index`` (``[B, H, n]``) along the token axis."""
+    if new.shape[:3] != index.shape or new.shape[3] != given.shape[3] or new.dtype != given.dtype:
+        return False
+    return torch.equal(given.gather(2, index.unsqueeze(-1).expand_as(new)), new)
+
+
+def _same_action(a: tuple, b: tuple) -> bool:
+    """Whether two interpreted assignments (``("same",)``, ``("crop", n)``, ``("keep", index)``) agree."""
+    if a[0] != b[0]:
+        return False
+    return a[0] == "same" or (a[1] == b[1] if a[0] == "crop" else torch.equal(a[1], b[1]))
 
 
 @dataclass(frozen=True)
@@ -37,14 +54,17 @@ class PagedKV:
     def shape(self) -> torch.Size:
         st, layer = self.layer.store, self.layer
         dim = st.k_dim if self.kind == "keys" else st.v_dim
-        return torch.Size((st.batch, st.heads, layer.seen - layer.min_evicted(), dim))
+        return torch.Size((st.batch, st.heads, layer.kv_length(), dim))
 
     def __setitem__(self, index, value) -> None:
-        raise TypeError(
-            "PiKVCache keeps K/V in pages and cannot take in-place key edits (kvpress head-wise presses such as "
-            "AdaKV write fake keys through masked_key_indices); presses inside PiKVCache arrive with the "
-            "kvpress-native issue"
-        )
+        """kvpress's attention patch writes fake keys at ``(batch, head, seq)`` indices of the view a head-wise press
+        scored (AdaKV, DuoAttention, ...) so that those tokens get no attention; here they are evicted instead."""
+        if self.kind != "keys" or not (isinstance(index, tuple) and len(index) == 3):
+            raise TypeError(
+                "PiKVCache keeps K/V in pages: only kvpress's (batch, head, seq) key masking can be written to its "
+                f"attention inputs, got an assignment to {self.kind}[{index!r}]"
+            )
+        self.layer.evict_view_entries(*index)
 
 
 class PiKVLayer(CacheLayerMixin):
@@ -66,10 +86,22 @@ class PiKVLayer(CacheLayerMixin):
         Decode-time read settings (exact, routed, Quest).
     backend : TorchBackend, optional
         Attention backend (shared by the layers of a cache; default: a fresh torch reference backend).
-    """
+    is_sliding : bool
+        Whether the model's layer uses sliding-window attention (as ``DynamicCache(config)`` reports it).
+    max_cache_len : int, optional
+        Reserve pages for this many tokens per (row, head) at the first update and never move them afterwards: a
+        decode step then has no host synchronisation on the exact path, so ``torch.compile`` captures it in one
+        graph (``is_compileable``). Appending past the reservation is not checked in that mode.
+    attention_module : torch.nn.Module, optional
+        The model's attention module of this layer (weakly referenced): head-wise kvpress presses leave their key
+        masks on it (``masked_key_indices``), which the layer turns into evictions.
 
-    is_sliding = False
-    is_compileable = False
+    Notes
+    -----
+    ``keys`` / ``values`` read as a position-ordered copy of the stored tokens (:mod:`pikv_hf.view`), taken once per
+    write of the layer; assigning to them drops tokens (a gather of the view's rows) or crops positions (a prefix
+    slice of the view), as kvpress presses and kvpress's pipeline do on a ``DynamicCache``.
+    """
 
     def __init__(
         self,
@@ -80,8 +112,18 @@ class PiKVLayer(CacheLayerMixin):
         track_stats: bool = False,
         read: ReadConfig | None = None,
         backend: TorchBackend | None = None,
+        is_sliding: bool = False,
+        attention_module: torch.nn.Module | None = None,
+        max_cache_len: int | None = None,
     ) -> None:
-        super().__init__()
+        self.store: PagedStore | None = None
+        self._view: DenseView | None = None  # the latest dense view; its tensors are dropped on every write
+        self._pending: dict[str, tuple] = {}  # assignments to keys / values waiting for their partner
+        super().__init__()  # sets keys / values to None: ignored by the setters while nothing is stored
+        self.is_sliding = is_sliding
+        self.max_cache_len = max_cache_len
+        self.is_compileable = max_cache_len is not None
+        self._module = None if attention_module is None else weakref.ref(attention_module)
         self.layer_idx = layer_idx
         self.placement = placement
         self.num_shards = placement.num_shards
@@ -89,11 +131,11 @@ class PiKVLayer(CacheLayerMixin):
         self.shard_groups = shard_groups
         self.track_stats = track_stats
         self.backend = backend or TorchBackend()
-        self.store: PagedStore | None = None
-        self.seen = 0  # tokens seen by this layer, pads included
+        self._seen = 0  # tokens seen by this layer, pads included (a tensor, _seen_t, in compileable mode)
+        self._seen_t: torch.Tensor | None = None
         self.evicted: torch.Tensor | None = None  # [B, H] tokens evicted per (row, KV head); crop is not eviction
+        self._min_evicted = 0  # evicted.min(), kept as a Python int so that mask sizes need no device sync
         self.row_start: torch.Tensor | None = None  # [B] position of each row's first real token
-        self._last_slot: torch.Tensor | None = None  # [B, H, q] pool slots of the latest update
         self._last_qpos: torch.Tensor | None = None  # [q] positions of the latest update
         self._fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # latest K/V when the store was empty
         self.set_read(read or ReadConfig())
@@ -103,6 +145,18 @@ class PiKVLayer(CacheLayerMixin):
         self.read = read
         self.policy = make_policy(read, self.layer_idx)
         self.routing_stats = RoutingStats()
+
+    @property
+    def seen(self) -> int:
+        """Tokens seen by this layer, pads included."""
+        return self._seen if self._seen_t is None else int(self._seen_t)
+
+    @seen.setter
+    def seen(self, value: int) -> None:
+        if self._seen_t is None:
+            self._seen = value
+        else:
+            self._seen_t.fill_(value)
 
     # ------------------------------------------------------------------ CacheLayerMixin contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -120,6 +174,9 @@ class PiKVLayer(CacheLayerMixin):
         )
         self.evicted = torch.zeros(b, h, dtype=torch.int64, device=key_states.device)
         self.dtype, self.device = key_states.dtype, key_states.device
+        if self.max_cache_len is not None:
+            self._seen_t = torch.zeros((), dtype=torch.int64, device=key_states.device)
+            self.store.reserve(-(-self.max_cache_len // self.page_size) + self.num_shards)  # + a partial page/shard
         self.is_initialized = True
 
     def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,18 +218,36 @@ class PiKVLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None
     ) -> tuple[PagedKV, PagedKV]:
         """Store ``[B, H_kv, q, D]`` post-RoPE keys/values; returns this layer's ``PagedKV`` view twice."""
+        self._flush_pending()
+        self.prefetch()
         self._check_update(key_states, value_states)
         if self.store is None:
             self.lazy_initialization(key_states, value_states)
+        self._touch()
         q = key_states.shape[2]
-        token_index = torch.arange(self.seen, self.seen + q, device=key_states.device)
+        static = self._seen_t is not None
+        offsets = torch.arange(q, device=key_states.device)
+        token_index = self._seen_t + offsets if static else offsets + self._seen
         ctx = PlacementContext(self.layer_idx, key_states, token_index, self.page_size, self.num_shards)
         shard = self.placement.place(ctx)
         # the first chunk into an empty layer is attended with SDPA over these tensors, then dropped (attend)
-        self._fresh_kv = (key_states, value_states) if self.seen == 0 and q > 1 else None
-        self._last_slot = self.store.append(key_states, value_states, shard, token_index)
+        self._fresh_kv = (key_states, value_states) if q > 1 and self.seen == 0 else None
+        self.store.append(key_states, value_states, shard, token_index, grow=not static)
         self._last_qpos = token_index
-        self.seen += q
+        if static:
+            self._seen_t += q
+        else:
+            self._seen += q
+        module = None if self._module is None else self._module()
+        if (
+            module is not None
+            and getattr(module.config, "_attn_implementation", ATTN_IMPLEMENTATION) != ATTN_IMPLEMENTATION
+        ):
+            # the model runs another attention (e.g. a press switched it to eager): it needs tensors, and builds its
+            # own mask for a contiguous cache of kv_length tokens
+            self._fresh_kv = None
+            v = self.view()
+            return v.keys, v.values
         return PagedKV(self, "keys"), PagedKV(self, "values")
 
     def attend(
@@ -184,19 +259,22 @@ class PiKVLayer(CacheLayerMixin):
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         """Attention of the latest update's queries (``[B, Hq, q, Dk]``) over this layer -> ``[B, q, Hq, Dv]``."""
+        self.prefetch()
         st = self.store
         q = query.shape[2]
         if self._last_qpos is None or self._last_qpos.numel() != q:
             raise RuntimeError(f"layer {self.layer_idx}: attend() expects the {q} queries of the latest update()")
         fresh, self._fresh_kv = self._fresh_kv, None  # never held past this call
-        if padding is not None:
+        padded = False
+        if padding is not None and q > 1:  # a decode token is never padding (generate masks only earlier tokens)
             padding = padding.to(st.device)
             if not bool(padding.all()):
-                st.invalidate(self._last_slot, padding[:, -q:])
+                st.invalidate(int(self._last_qpos[0]), padding[:, -q:])
                 self.row_start = padding.to(torch.int8).argmax(-1)  # first real token of each row
+                padded = not bool(padding[:, -q:].all())
         if (
             fresh is not None
-            and (padding is None or bool(padding[:, -q:].all()))
+            and not padded
             and sliding_window is None
             and sinks is None
             and self.shard_groups == 1
@@ -298,6 +376,154 @@ class PiKVLayer(CacheLayerMixin):
         hit = part.mass * n_valid > rows
         self.store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), int(self._last_qpos[-1]))
 
+    # ------------------------------------------------------------------ dense views (kvpress, DynamicCache code)
+    def _touch(self) -> None:
+        """Mark a write: the dense view taken before it no longer describes the store (its small index tensors are
+        kept: kvpress's later key masks refer to them)."""
+        v = self._view
+        if v is not None and v.keys is not None:
+            self._view = DenseView(None, None, v.frame_index, v.pos, v.valid)
+
+    def view(self) -> DenseView | None:
+        """The position-ordered copy of the stored tokens (taken once per write; None before the first update)."""
+        if self.store is None:
+            return None
+        self._flush_pending()
+        return self._snapshot()
+
+    def _snapshot(self) -> DenseView:
+        v = self._view
+        if v is None or v.keys is None:
+            self._view = v = dense_view(self.store)
+        return v
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """``[B, H, T, Dk]`` stored keys of every (row, head) in position order (a copy; see the class notes)."""
+        v = self.view()
+        return None if v is None else v.keys
+
+    @keys.setter
+    def keys(self, new: torch.Tensor | None) -> None:
+        self._assign("keys", new)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """``[B, H, T, Dv]`` stored values in the order of :attr:`keys` (a copy)."""
+        v = self.view()
+        return None if v is None else v.values
+
+    @values.setter
+    def values(self, new: torch.Tensor | None) -> None:
+        self._assign("values", new)
+
+    def _assign(self, kind: str, new: torch.Tensor | None) -> None:
+        """Interpret an assignment to ``keys`` / ``values`` (see :mod:`pikv_hf.view`); applied once its partner
+        arrives (or at the next access), after both were checked, so a rejected pair changes nothing."""
+        if self.store is None:
+            if new is None:
+                return
+            raise ValueError(f"layer {self.layer_idx}: cannot assign {kind} to an empty PiKVCache layer (use update)")
+        if new is None:
+            raise ValueError(f"layer {self.layer_idx}: {kind} cannot be set to None; use reset() to empty the layer")
+        from pikv_hf.kvpress_compat import calling_press
+
+        v = self._snapshot()  # the view the partner assignment (if pending) refers to
+        given = v.keys if kind == "keys" else v.values
+        other = "values" if kind == "keys" else "keys"
+        partner = self._pending.pop(other, None)
+        if new is given:
+            action: tuple = ("same",)
+        elif (n := prefix_length(new, given)) is not None:
+            action = ("crop", n)
+        elif partner is not None and partner[0] == "keep" and _is_gather(given, partner[1], new):
+            action = partner  # values repeat rows (no position in them): check them against the keys' selection
+        else:
+            index = match_rows(given, new)
+            if index is None:
+                raise ValueError(
+                    f"{calling_press()}: the {kind} assigned to layer {self.layer_idx} are not a selection of the "
+                    f"cached {kind} (shape {tuple(new.shape)}, cached {tuple(given.shape)}): the press rewrites them "
+                    "(e.g. re-rotated, merged or quantised), and a PiKVCache stores each token's own key, value and "
+                    "position, so it can only drop tokens; run this press on a DynamicCache"
+                )
+            action = ("keep", index)
+        if partner is None:
+            self._pending[kind] = action
+            return
+        if not _same_action(partner, action):
+            raise ValueError(
+                f"{calling_press()}: layer {self.layer_idx} was given keys and values that select different tokens"
+            )
+        self._apply(action)
+
+    def _flush_pending(self) -> None:
+        """Apply an assignment whose partner never came (only keys, or only values, were set)."""
+        if self._pending:
+            (action,) = self._pending.values()
+            self._pending.clear()
+            self._apply(action)
+
+    def _apply(self, action: tuple) -> None:
+        v = self._view
+        if action[0] == "crop":
+            self.crop(action[1])
+        elif action[0] == "keep":
+            st = self.store
+            keep = torch.zeros(st.batch, st.heads, st.table.width() * st.page_size, dtype=torch.bool, device=st.device)
+            index = v.frame_index.gather(2, action[1])
+            keep.scatter_(2, index.clamp(min=0), index >= 0)
+            self.evict(keep & st.frame("valid"))
+        module = None if self._module is None else self._module()
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:  # a head-wise press (AdaKV, DuoAttention, ...) marked tokens in the view it scored
+            self.evict_view_entries(*masked, view=v)
+            module.masked_key_indices = None
+
+    def attention_weights(
+        self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[B, Hq, q, T]`` attention probabilities of the latest update's queries over the entries of :meth:`view`
+        (what an eager attention returns over a ``DynamicCache``), computed only when a caller asks for them."""
+        v = self.view()
+        b, hq, q, dk = query.shape
+        h = v.keys.shape[1]
+        qg = query.reshape(b, h, hq // h * q, dk).to(v.keys.dtype)
+        logits = (qg @ v.keys.transpose(-1, -2)).float().mul_(scale).view(b, h, hq // h, q, -1)
+        allowed = allowed_mask(v.valid, v.pos, self._last_qpos, sliding_window).unsqueeze(2)
+        logits = logits.masked_fill(~allowed, float("-inf")).view(b, hq, q, -1)
+        lse = logits.logsumexp(-1, keepdim=True)
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks.float().view(1, hq, 1, 1))
+        return torch.exp(logits - lse).to(query.dtype)
+
+    def evict_view_entries(
+        self, batch: torch.Tensor, head: torch.Tensor, index: torch.Tensor, view: DenseView | None = None
+    ) -> None:
+        """Evict the tokens at entries ``(batch[i], head[i], index[i])`` of a dense view (default: the latest taken),
+        e.g. the keys a head-wise kvpress press masks. Tokens already gone are skipped."""
+        v = view or self._view
+        if v is None:
+            raise RuntimeError(f"layer {self.layer_idx}: no dense view was taken, so view entries name no token")
+        st = self.store
+        pos = v.pos[batch.to(v.pos.device), head.to(v.pos.device), index.to(v.pos.device)]
+        drop = torch.zeros(st.batch, st.heads, self.seen, dtype=torch.bool, device=st.device)
+        drop[batch.to(st.device), head.to(st.device), pos.clamp(min=0).to(st.device)] = pos.to(st.device) >= 0
+        frame_pos = st.frame("pos").to(torch.int64)
+        hit = drop.gather(2, frame_pos.clamp(0, max(self.seen - 1, 0))) & (frame_pos >= 0)
+        if bool(hit.any()):
+            self.evict(st.frame("valid") & ~hit)
+
+    def offload(self) -> None:
+        """Move this layer's pages to the CPU (``Cache(offloading=True)`` calls it after the layer's update)."""
+        if self.store is not None:
+            self.store.to(torch.device("cpu"))
+
+    def prefetch(self) -> None:
+        """Move this layer's pages back to its device (called ahead of the layer; ``update`` / ``attend`` also do)."""
+        if self.store is not None and self.store.device != self.device:
+            self.store.to(self.device)
+
     # ------------------------------------------------------------------ eviction and length
     def evict(self, keep: torch.Tensor) -> None:
         """Drop every stored token where ``keep`` (``[B, H_kv, W * P]`` bool over the store's frame, see
@@ -316,23 +542,32 @@ class PiKVLayer(CacheLayerMixin):
         shard = st.frame("shard").long().clamp(min=0).repeat_interleave(st.page_size, dim=-1)
         per_shard = torch.zeros(st.batch, st.heads, st.num_shards, dtype=torch.int64, device=st.device)
         self.policy.note_evicted(per_shard.scatter_add_(2, shard, dropped.long()))
+        self._touch()
         self.evicted += st.retain(keep.to(st.device))
-        self._last_slot = self._last_qpos = self._fresh_kv = None
+        self._min_evicted = int(self.evicted.min())
+        self._fresh_kv = None
 
     def min_evicted(self) -> int:
         """Fewest tokens evicted from any (row, KV head)."""
-        return 0 if self.evicted is None or not self.evicted.numel() else int(self.evicted.min())
+        return self._min_evicted
 
     def get_seq_length(self) -> int:
         """Tokens seen by this layer (not tokens stored): what transformers uses for positions."""
         return self.seen
 
+    def kv_length(self) -> int:
+        """Tokens seen minus the fewest evicted from any (row, head); the reserved frame in compileable mode."""
+        if self._seen_t is not None:
+            return self.store.table.width() * self.page_size
+        return self._seen - self._min_evicted
+
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` for the coming update: ``seen + q`` minus the fewest tokens any (row, head) had
         evicted, and that offset. Masking itself is done by the ``pikv`` attention from stored positions."""
+        if self._seen_t is not None:  # compileable: the reserved frame, as StaticCache reports its max length
+            return self.store.table.width() * self.page_size, 0
         q = cache_position.shape[0]
-        dropped = self.min_evicted()
-        return self.seen + q - dropped, dropped
+        return self._seen + q - self._min_evicted, self._min_evicted
 
     def get_max_cache_shape(self) -> int:
         return -1
@@ -341,41 +576,46 @@ class PiKVLayer(CacheLayerMixin):
         self.store = None
         self.backend.reset()  # shared with the other layers, which are reset too: frees the gather scratch
         self.is_initialized = False
-        self.seen = 0
+        self._seen, self._seen_t, self._min_evicted = 0, None, 0
         self.evicted = self.row_start = None
-        self._last_slot = self._last_qpos = self._fresh_kv = None
+        self._last_qpos = self._fresh_kv = None
+        self._touch()
         self.placement.reset()
         self.policy.reset()
 
     def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` positions (negative: drop that many from the end). Only before eviction."""
-        self.check_croppable()
+        """Keep the positions below ``max_length`` (negative: drop that many from the end).
+
+        After an eviction this is still well defined: the tokens at cut positions that are stored are dropped, and
+        the eviction counts keep only the evictions below ``max_length`` (padding is assumed to sit at the start of
+        a row, as in left-padded batches).
+        """
         if max_length < 0:
             max_length = self.seen + max_length
         if self.store is None or max_length >= self.seen:
             return
-        self.store.retain(self.store.frame("pos") < max_length)
-        self.seen = max(max_length, 0)
-        self._last_slot = self._last_qpos = self._fresh_kv = None
-
-    def check_croppable(self) -> None:
-        """Raise if tokens were evicted: positions being cut may no longer be stored, so crop is undefined."""
-        if self.evicted is not None and bool((self.evicted > 0).any()):
-            raise RuntimeError(
-                f"layer {self.layer_idx}: crop() is undefined after {int(self.evicted.max())} tokens were evicted "
-                "(the positions being cut may no longer be stored)"
-            )
+        max_length = max(max_length, 0)
+        self._touch()
+        removed = self.store.retain(self.store.frame("pos") < max_length)
+        self.evicted -= (self.seen - max_length) - removed  # cut positions that were evicted, not stored
+        self._min_evicted = int(self.evicted.min())
+        self.seen = max_length
+        self._last_qpos = self._fresh_kv = None
 
     # ------------------------------------------------------------------ batch ops
     def _index_batch(self, index: torch.Tensor) -> None:
+        self._flush_pending()
         if self.store is not None:
             index = index.to(self.device)
+            self._touch()
             self.store.index_batch(index)
             self.placement.index_batch(index)
             self.policy.index_batch(index)
             self.evicted = self.evicted.index_select(0, index)
+            self._min_evicted = int(self.evicted.min())
             self.row_start = None if self.row_start is None else self.row_start.index_select(0, index)
-            self._last_slot = self._last_qpos = self._fresh_kv = None
+            self._last_qpos = self._fresh_kv = None
+            self._touch()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)

@@ -46,6 +46,13 @@ class KeyClusterPlacement(Placement):
             self.centroids = self.centroids.index_select(0, index.to(self.centroids.device))
             self.counts = self.counts.index_select(0, index.to(self.counts.device))
 
+    @staticmethod
+    def _nearest(keys: torch.Tensor, centroids: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+        """``[B, H, q]`` nearest centroid of every key, ``chunk`` keys at a time (bounds the ``[B, H, q, S]``
+        distance matrix of a long prefill)."""
+        parts = [torch.cdist(keys[:, :, i : i + chunk], centroids).argmin(-1) for i in range(0, keys.shape[2], chunk)]
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
     def place(self, ctx: PlacementContext) -> torch.Tensor:
         keys = ctx.keys.float()
         b, h, q, d = keys.shape
@@ -62,7 +69,7 @@ class KeyClusterPlacement(Placement):
         prior_sum = self.centroids * prior_n
         centroids, shard = self.centroids, None
         for _ in range(self.iters if q > 1 else 1):
-            new = torch.cdist(keys, centroids[:, :, : self.n_init]).argmin(-1)  # [B,H,q]
+            new = self._nearest(keys, centroids[:, :, : self.n_init])
             if shard is not None and torch.equal(new, shard):
                 break
             shard = new

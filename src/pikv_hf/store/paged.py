@@ -4,7 +4,7 @@ Every token lives in one slot of one page; every page belongs to one shard and t
 page table run lists it (``table.py``). Per slot the pool holds the codec's key/value fields and:
 
 ============  ========  ==========================================================================
-pos           int32     the token's sequence position (the layer's token ordinal, pads included)
+pos           int32     the token's sequence position (the layer's token ordinal, pads included); -1: empty
 valid         bool      False for empty slots and padding
 attn_mass     float32   accumulated attention probability (``track_stats``)
 last_access   int32     position of the latest query that hit the slot
@@ -29,7 +29,7 @@ from pikv_hf.store.summary import ShardStats
 from pikv_hf.store.table import PageTable
 
 _META_FIELDS = {
-    "pos": FieldSpec((), torch.int32),
+    "pos": FieldSpec((), torch.int32, -1),
     "valid": FieldSpec((), torch.bool, False),
     "shard": FieldSpec((), torch.int32, -1, per_page=True),
 }
@@ -123,7 +123,16 @@ class PagedStore:
         self._relayout(cap, t.start, t.n_pages)
 
     # ------------------------------------------------------------------ writes
-    def append(self, keys: torch.Tensor, values: torch.Tensor, shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def reserve(self, pages: int) -> None:
+        """Give every run a capacity of ``pages`` pages now (uniform), so that appends within it never move the pool;
+        with ``append(..., grow=False)`` an append is then free of host synchronisation (``torch.compile``)."""
+        t = self.table
+        if pages > t.width() or not t.uniform:
+            self._relayout(torch.full_like(t.cap, max(pages, int(t.cap.max()))), t.start, t.n_pages)
+
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, shard: torch.Tensor, pos: torch.Tensor, grow: bool = True
+    ) -> torch.Tensor:
         """Store new tokens in their shards' pages.
 
         Parameters
@@ -134,6 +143,9 @@ class PagedStore:
             ``[B, H, q]`` int64 shard ids in ``[0, S)``.
         pos : torch.Tensor
             ``[q]`` or ``[B, H, q]`` sequence positions.
+        grow : bool
+            Grow the runs that need more pages. False: the capacity reserved beforehand (:meth:`reserve`) must
+            suffice; nothing is checked (no host synchronisation).
 
         Returns
         -------
@@ -142,7 +154,8 @@ class PagedStore:
         """
         b, h, q = shard.shape
         a = self.table.assign(shard)
-        self._reserve(a.need)
+        if grow:
+            self._reserve(a.need)
         self.table.commit(a)
         page = self.table.start.unsqueeze(-1) + a.local_page
         slot = page * self.page_size + a.offset
@@ -175,18 +188,18 @@ class PagedStore:
         self.pool["key_min"].scatter_reduce_(0, idx, k, "amin")
         self.pool["key_max"].scatter_reduce_(0, idx, k, "amax")
 
-    def invalidate(self, slot: torch.Tensor, keep: torch.Tensor) -> None:
-        """Clear the valid bit of appended ``slot`` entries (``[B, H, q]``) where ``keep`` (``[B, q]``) is False
-        (padding); their keys leave the shard sums and counts (min / max stay valid bounds)."""
-        drop = ~keep.unsqueeze(1).expand_as(slot)
+    def invalidate(self, first_pos: int, keep: torch.Tensor) -> None:
+        """Clear the valid bit of the tokens at positions ``first_pos + i`` where ``keep[:, i]`` (``[B, q]``) is False
+        (padding of the latest update); their keys leave the shard sums and counts (min / max stay valid bounds)."""
+        q = keep.shape[1]
+        pos = self.frame("pos").to(torch.int64) - first_pos
+        inside = (pos >= 0) & (pos < q) & self.frame("valid")
+        drop = inside & ~keep.unsqueeze(1).expand(-1, self.heads, -1).gather(2, pos.clamp(0, q - 1))
         if not bool(drop.any()):
             return
-        gone = slot[drop]
-        shard = self.pool["shard"][gone.div(self.page_size, rounding_mode="floor")].long()
-        bh = torch.arange(self.batch * self.heads, device=self.device).view(self.batch, self.heads, 1)
-        self.stats.add(
-            (bh.expand_as(slot)[drop]) * self.num_shards + shard, self.codec.slot_keys(self.pool, gone), sign=-1
-        )
+        gone = self.frame_slots()[drop]
+        shard = self.frame("shard").long().repeat_interleave(self.page_size, dim=-1)
+        self.stats.add(self._bhs(shard)[drop], self.codec.slot_keys(self.pool, gone), sign=-1)
         self.pool.flat("valid")[gone] = False
 
     def retain(self, keep: torch.Tensor) -> torch.Tensor:
@@ -256,6 +269,17 @@ class PagedStore:
         hit_slots = slots[hit]
         self.pool.flat("last_access")[hit_slots] = step
 
+    def to(self, device: torch.device) -> None:
+        """Move every tensor (pool, page table, shard statistics) to ``device``."""
+        self.device = self.pool.device = self.table.device = device
+        self.pool.fields = {n: t.to(device, non_blocking=True) for n, t in self.pool.fields.items()}
+        for owner, names in (
+            (self.table, ("start", "cap", "n_pages", "open_page", "open_fill")),
+            (self.stats, ("sum", "sq", "count", "min", "max")),
+        ):
+            for name in names:
+                setattr(owner, name, getattr(owner, name).to(device, non_blocking=True))
+
     # ------------------------------------------------------------------ reads
     def frame_slots(self) -> torch.Tensor:
         """``[B, H, W * P]`` flat pool slot id of every frame slot (``-1`` past a run's capacity)."""
@@ -274,9 +298,7 @@ class PagedStore:
             return self.pool[name].view(b, h, *per, *spec.shape)
         pages = t.pages().reshape(-1)
         g = self.pool.gather(name, pages.clamp(min=0))
-        missing = (pages < 0).view(-1, *([1] * (g.dim() - 1)))
-        if spec.per_page or name == "valid":
-            g = g.masked_fill(missing, spec.fill)
+        g.masked_fill_((pages < 0).view(-1, *([1] * (g.dim() - 1))), spec.fill)  # frame pages past a run's end
         return g.reshape(b, h, *per, *spec.shape)
 
     def frame_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

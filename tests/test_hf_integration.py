@@ -1,0 +1,204 @@
+"""transformers-native behaviour: the "pikv" attention leaves every other computation alone, layer K/V views, the
+Cache contract extras (iteration, offload, sliding flags), kvpress's pipeline, torch.compile and torch.export."""
+
+import kvpress
+import pytest
+import torch
+import torch._dynamo as dynamo
+from helpers import TOL, DynamicCache, byte_tokenizer, generate, max_logit_diff, prompt
+from transformers import StaticCache, pipeline
+
+from pikv_hf import PiKVCache
+from pikv_hf.tiny import tiny_model
+
+
+def _eager(arch: str):
+    model = tiny_model(arch, seed=0)
+    model.set_attn_implementation("eager")
+    return model
+
+
+def _twins(arch: str):
+    """(untouched model, identical model that a PiKVCache attached), both built from the same seed."""
+    ref, model = tiny_model(arch, seed=0), tiny_model(arch, seed=0)
+    PiKVCache(model)
+    return ref, model
+
+
+CALLS = {
+    "static cache": lambda m: dict(past_key_values=StaticCache(config=m.config, max_cache_len=32)),
+    "no cache": lambda m: dict(use_cache=False),
+    "packed sequences": lambda m: dict(
+        use_cache=False, position_ids=torch.cat([torch.arange(8), torch.arange(12)])[None]
+    ),
+    "4-D mask": lambda m: dict(
+        use_cache=False, attention_mask=torch.tril(torch.ones(20, 20, dtype=torch.bool))[None, None]
+    ),
+    "output_attentions": lambda m: dict(past_key_values=DynamicCache(), output_attentions=True),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_attached_model_computes_other_caches_exactly_as_before(arch, call):
+    ref, model = _twins(arch)
+    ids = prompt(20)
+    with torch.no_grad():
+        a, b = ref(ids, **CALLS[call](ref)), model(ids, **CALLS[call](model))
+    assert torch.equal(a.logits, b.logits)
+    assert len(a.attentions or ()) == len(b.attentions or ())
+    for x, y in zip(a.attentions or (), b.attentions or (), strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("implementation", ["static", "sliding_window", "hybrid_chunked"])
+def test_attached_model_generates_with_other_cache_implementations(arch, implementation):
+    ref, model = _twins(arch)
+    ids = prompt(20)
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation=implementation, pad_token_id=0)
+    assert torch.equal(ref.generate(ids, **kw), model.generate(ids, **kw))
+
+
+def test_detach_and_context_manager_restore_the_previous_attention():
+    model = _eager("llama")
+    cache = PiKVCache(model)
+    assert model.config._attn_implementation == "pikv"
+    cache.detach()
+    assert model.config._attn_implementation == "eager"
+    with PiKVCache(model) as cache:
+        assert model.config._attn_implementation == "pikv"
+        out = generate(model, prompt(12), cache)
+    assert model.config._attn_implementation == "eager"
+    ref = generate(_eager("llama"), prompt(12), DynamicCache())
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_output_attentions_and_custom_4d_mask_with_a_pikv_cache(arch):
+    ref, model = _eager(arch), _eager(arch)
+    ids = prompt(16)
+    mask = torch.tril(torch.ones(16, 16, dtype=torch.bool))
+    mask[5:, :3] = False  # a custom pattern: later tokens do not see the first three
+    with torch.no_grad():
+        a = ref(ids, past_key_values=DynamicCache(), output_attentions=True)
+        b = model(ids, past_key_values=PiKVCache(model), output_attentions=True)
+        assert (a.logits - b.logits).abs().max() < TOL
+        assert all((x - y).abs().max() < 1e-5 for x, y in zip(a.attentions, b.attentions, strict=True))
+        eager_mask = torch.zeros(1, 1, 16, 16).masked_fill(~mask, torch.finfo(torch.float32).min)
+        c = ref(ids, past_key_values=DynamicCache(), attention_mask=eager_mask)
+        cache = PiKVCache(model)
+        d = model(ids, past_key_values=cache, attention_mask=eager_mask)
+        assert (c.logits - d.logits).abs().max() < TOL
+        layer = cache.layers[0]
+        layer.evict(layer.store.frame("valid") & (layer.store.frame("pos") != 2))
+        with pytest.raises(ValueError, match="custom 4-D attention_mask indexes the positions of a contiguous cache"):
+            model(prompt(1, seed=3), past_key_values=cache, attention_mask=torch.zeros(1, 1, 1, 17))
+
+
+def test_eager_only_press_runs_on_a_pikv_cache():
+    # ObservedAttentionPress reads the attention weights that only an eager attention returns
+    ref, model = _eager("llama"), _eager("llama")
+    press = kvpress.ObservedAttentionPress(compression_ratio=0.5)
+    ids = prompt(60, seed=2)
+    dyn, cache = DynamicCache(), PiKVCache(model, page_size=4)
+    with torch.no_grad():
+        with press(ref):
+            a = generate(ref, ids, dyn, max_new_tokens=5)
+        with press(model):
+            b = generate(model, ids, cache, max_new_tokens=5)
+    assert torch.equal(a.sequences, b.sequences) and max_logit_diff(a.logits, b.logits) < TOL
+    # 50% of the 60 context tokens per KV head, plus the 4 tokens fed back while generating 5
+    assert all(int(la.store.tokens_per_shard().sum()) == 2 * (30 + 4) for la in cache.layers)
+
+
+def test_layer_views_iteration_offload_and_sliding_flags_behave_as_dynamic_cache():
+    ref, model = _twins("gpt_oss")
+    ids = prompt(30, batch=2)
+    dyn, cache = DynamicCache(config=ref.config), PiKVCache(model, router="round_robin", page_size=4)
+    with torch.no_grad():
+        ref(ids, past_key_values=dyn)
+        model(ids, past_key_values=cache)
+    assert cache.is_sliding == dyn.is_sliding and any(cache.is_sliding) and not all(cache.is_sliding)
+    for (k, v, _), layer, dyn_layer in zip(cache, cache.layers, dyn.layers, strict=True):
+        if dyn_layer.is_sliding:  # DynamicCache keeps only the window there; PiKVCache keeps every token
+            k, v = k[:, :, -dyn_layer.keys.shape[2] :], v[:, :, -dyn_layer.keys.shape[2] :]
+        # equal up to the float noise of a different attention kernel (eager there) in the layers before
+        assert (k - dyn_layer.keys).abs().max() < 1e-5 and (v - dyn_layer.values).abs().max() < 1e-5
+        assert isinstance(layer.keys, torch.Tensor) and layer.keys.shape[2] == 30
+    before = model(prompt(1, batch=2, seed=4), past_key_values=cache.fork()).logits
+    for layer in cache.layers:
+        layer.offload()
+        assert layer.store.pool["keys"].device.type == "cpu"
+        layer.prefetch()
+    assert torch.equal(model(prompt(1, batch=2, seed=4), past_key_values=cache).logits, before)
+
+
+def test_kvpress_pipeline_answers_several_questions_like_dynamic_cache():
+    for arch in ("llama", "mixtral"):
+        ref, model = _twins(arch)
+        context = "The quick brown fox jumps over the lazy dog near the river bank at dawn. " * 2
+        questions = ["Who jumps?", "Where?", "When?"]
+        answers = []
+        for m, cache in ((ref, DynamicCache()), (model, PiKVCache(model, page_size=4))):
+            pipe = pipeline("kv-press-text-generation", model=m, tokenizer=byte_tokenizer(), device="cpu")
+            answers.append(pipe(context, questions=questions, cache=cache, max_new_tokens=6)["answers"])
+            assert cache.get_seq_length() == len(context) + 1  # each answer was trimmed off (+1: bos)
+        assert answers[0] == answers[1]
+
+
+def test_pipeline_trims_answers_after_compression_by_position():
+    # after compression a PiKVCache stores fewer tokens than it has seen; the answer trim must still cut only answers
+    _, model = _twins("llama")
+    cache = PiKVCache(model, page_size=4)
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=byte_tokenizer(), device="cpu")
+    context = "abcdefghij" * 10
+    pipe(context, questions=["q1", "q2"], press=kvpress.KnormPress(0.75), cache=cache, max_new_tokens=20)
+    for layer in cache.layers:
+        assert int(layer.view().pos.max()) <= len(context)  # bos + context (positions 0..100): answers are gone
+        assert int(layer.store.tokens_per_shard().sum()) == 2 * 25  # int(25% of 101) per KV head, nothing more
+
+
+def _decode_fn(model, cache):
+    return lambda t, pos: model(t, past_key_values=cache, cache_position=pos).logits
+
+
+def test_exact_decode_step_compiles_without_graph_breaks():
+    model = tiny_model("llama", seed=0)
+    cache = PiKVCache(model, router="key_cluster", max_cache_len=64)
+    assert cache.is_compileable
+    with torch.no_grad():
+        model(prompt(20), past_key_values=cache)
+        reference = cache.fork()
+        dynamo.reset()
+        explained = dynamo.explain(_decode_fn(model, cache))(torch.tensor([[5]]), torch.tensor([20]))
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        cache.crop(20)
+        compiled = torch.compile(_decode_fn(model, cache), backend="aot_eager", fullgraph=True)
+        for step in range(4):
+            token, pos = torch.tensor([[7 + step]]), torch.tensor([20 + step])
+            got = compiled(token, pos)
+            want = model(token, past_key_values=reference, cache_position=pos).logits
+            assert (got - want).abs().max() < 1e-5
+    assert cache.get_seq_length() == reference.get_seq_length() == 24
+
+
+def test_decode_step_exports_and_runs_on_another_cache():
+    model = tiny_model("llama", seed=0)
+
+    class Step(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, token, pos, cache):
+            return self.m(token, past_key_values=cache, cache_position=pos).logits
+
+    caches = [PiKVCache(model, max_cache_len=64) for _ in range(3)]
+    with torch.no_grad():
+        for c in caches:
+            model(prompt(20), past_key_values=c)
+        program = torch.export.export(Step(model), (torch.tensor([[5]]), torch.tensor([20]), caches[0]), strict=False)
+        got = program.module()(torch.tensor([[7]]), torch.tensor([20]), caches[1])
+        want = model(torch.tensor([[7]]), past_key_values=caches[2], cache_position=torch.tensor([20])).logits
+    assert (got - want).abs().max() < 1e-5 and caches[1].get_seq_length() == 21
