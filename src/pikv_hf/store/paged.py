@@ -123,7 +123,14 @@ class PagedStore:
         self._relayout(cap, t.start, t.n_pages)
 
     # ------------------------------------------------------------------ writes
-    def append(self, keys: torch.Tensor, values: torch.Tensor, shard: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        shard: torch.Tensor,
+        pos: torch.Tensor,
+        present: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Store new tokens in their shards' pages.
 
         Parameters
@@ -134,33 +141,40 @@ class PagedStore:
             ``[B, H, q]`` int64 shard ids in ``[0, S)``.
         pos : torch.Tensor
             ``[q]`` or ``[B, H, q]`` sequence positions.
+        present : torch.Tensor, optional
+            ``[B, H, q]`` bool: only these tokens are stored (a partition of a distributed layer holds only its
+            own shards); the others take no slot and stay out of this store's shard statistics. Default: all.
 
         Returns
         -------
         torch.Tensor
-            ``[B, H, q]`` int64 flat pool slot id of every token.
+            ``[B, H, q]`` int64 flat pool slot id of every token (``-1`` for tokens not present).
         """
         b, h, q = shard.shape
-        a = self.table.assign(shard)
+        a = self.table.assign(shard, present)
         self._reserve(a.need)
         self.table.commit(a)
-        page = self.table.start.unsqueeze(-1) + a.local_page
-        slot = page * self.page_size + a.offset
-        flat = slot.reshape(-1)
-        encoded = self.codec.encode(keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim))
+        slot = (self.table.start.unsqueeze(-1) + a.local_page) * self.page_size + a.offset
+        k, v, sh = keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim), shard.reshape(-1)
+        pos, bhs, flat = pos.to(torch.int32).expand(b, h, q).reshape(-1), self._bhs(shard).reshape(-1), slot.reshape(-1)
+        if present is not None:
+            slot = slot.masked_fill(~present, -1)
+            take = present.reshape(-1)
+            k, v, sh, pos, bhs, flat = (x[take] for x in (k, v, sh, pos, bhs, flat))
+        encoded = self.codec.encode(k, v)
         for name, t in encoded.items():
             self.pool.write(name, flat, t)
-        self.pool.write("pos", flat, pos.to(torch.int32).expand(b, h, q).reshape(-1))
+        self.pool.write("pos", flat, pos)
         self.pool.write("valid", flat, torch.ones(flat.numel(), dtype=torch.bool, device=self.device))
         for name in self.stat_fields:
             self.pool.write(
                 name, flat, torch.zeros(flat.numel(), dtype=self.pool.specs[name].dtype, device=self.device)
             )
-        self.pool["shard"].index_copy_(0, page.reshape(-1), shard.reshape(-1).to(torch.int32))
-        k = keys.reshape(-1, self.k_dim)
-        self.stats.add(self._bhs(shard).reshape(-1), k)
+        page = flat.div(self.page_size, rounding_mode="floor")
+        self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
+        self.stats.add(bhs, k)
         if self.page_bounds_kept:
-            self._fold_page_bounds(page.reshape(-1), k)
+            self._fold_page_bounds(page, k)
         return slot
 
     def _bhs(self, shard: torch.Tensor) -> torch.Tensor:
@@ -176,9 +190,9 @@ class PagedStore:
         self.pool["key_max"].scatter_reduce_(0, idx, k, "amax")
 
     def invalidate(self, slot: torch.Tensor, keep: torch.Tensor) -> None:
-        """Clear the valid bit of appended ``slot`` entries (``[B, H, q]``) where ``keep`` (``[B, q]``) is False
-        (padding); their keys leave the shard sums and counts (min / max stay valid bounds)."""
-        drop = ~keep.unsqueeze(1).expand_as(slot)
+        """Clear the valid bit of appended ``slot`` entries (``[B, H, q]``, ``-1``: not stored here) where ``keep``
+        (``[B, q]``) is False (padding); their keys leave the shard sums and counts (min / max stay valid bounds)."""
+        drop = ~keep.unsqueeze(1).expand_as(slot) & (slot >= 0)
         if not bool(drop.any()):
             return
         gone = slot[drop]
