@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 from pikv_hf.attention import TorchBackend
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
+from pikv_hf.distributed import ShardPlan, bind
 from pikv_hf.hf import attach
 from pikv_hf.layer import PagedKV, PiKVLayer
 from pikv_hf.read import RoutingStats
@@ -65,6 +66,10 @@ class PiKVCache(Cache):
         Decode-time reads: ``"exact"`` (default), ``"routed"`` (each query reads only its ``top_k_shards``
         selected shards plus sinks and a recent window) or ``"quest"`` (Quest's per-page selection); a
         ``ReadConfig`` may be given instead.
+    partition : pikv_hf.distributed.ShardPlan, optional
+        Where the shards live: partitions on several devices of this process (``ShardPlan.for_devices``,
+        ``ShardPlan.from_accelerate``) or one per ``torch.distributed`` rank (``ShardPlan.for_ranks``); attention
+        merges the partitions' partials exactly. Not with ``track_stats``, Quest reads, eviction or crop.
     **read_options
         The other ``ReadConfig`` fields (``top_k_shards``, ``selector``, ``selector_kwargs``, ``n_sink``,
         ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``, ``measure_recall``, ``reward_every``);
@@ -85,6 +90,7 @@ class PiKVCache(Cache):
         shard_groups: int = 1,
         track_stats: bool = False,
         attention: str | ReadConfig = "exact",
+        partition: ShardPlan | None = None,
         **read_options: Any,
     ) -> None:
         is_model = isinstance(model, nn.Module)
@@ -106,13 +112,24 @@ class PiKVCache(Cache):
         read = ReadConfig.build(attention, num_shards=num_shards, num_layers=n_layers, **read_options)
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
+        placed = None
+        if partition is not None:  # checks the plan (and, over ranks, that every rank builds this cache) first
+            settings = dict(num_shards=num_shards, page_size=page_size, router=router, shard_groups=shard_groups)
+            placed = bind(partition, config=text_config, track_stats=track_stats, read=read, **settings)
         tap = _expert_tap(model) if router == "expert" else None
         if is_model:
             attach(model)
         self.backend = TorchBackend()  # one scratch workspace for all layers: they attend one after the other
         layers = [
             PiKVLayer(
-                i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats, read, self.backend
+                i,
+                make_placement(router, num_shards, i, tap),
+                page_size,
+                shard_groups,
+                track_stats,
+                read,
+                self.backend,
+                placed,
             )
             for i in range(n_layers)
         ]
@@ -121,6 +138,7 @@ class PiKVCache(Cache):
         self.num_shards = num_shards
         self.page_size = page_size
         self.read = read
+        self.partition = placed
 
     def set_attention(self, attention: str | ReadConfig = "exact", **read_options: Any) -> None:
         """Switch every layer's decode-time reads (arguments as in the constructor).
@@ -128,6 +146,8 @@ class PiKVCache(Cache):
         Stored tokens are kept; selectors and routing statistics start fresh. Raises before changing anything.
         """
         read = ReadConfig.build(attention, num_shards=self.num_shards, num_layers=len(self.layers), **read_options)
+        if self.partition is not None:
+            self.partition.check_read(read)
         self.read = read
         for layer in self.layers:
             layer.set_read(read)
@@ -153,6 +173,7 @@ class PiKVCache(Cache):
             id(layer.placement.tap): layer.placement.tap for layer in self.layers if hasattr(layer.placement, "tap")
         }
         memo[id(self.backend)] = backend = TorchBackend()
+        memo[id(self.partition)] = self.partition  # shared: its process group, if any, serves the copy too
         copied = copy.deepcopy(self, memo=memo)
         assert copied.backend is backend
         return copied

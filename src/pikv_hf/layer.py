@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from pikv_hf.config import ReadConfig
 from pikv_hf.read import ReadPlan, RoutingStats, make_policy, sink_or_recent
 from pikv_hf.routing import Placement, PlacementContext
 from pikv_hf.store import PagedStore
+
+if TYPE_CHECKING:
+    from pikv_hf.distributed import Partition
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class PiKVLayer(CacheLayerMixin):
         Decode-time read settings (exact, routed, Quest).
     backend : TorchBackend, optional
         Attention backend (shared by the layers of a cache; default: a fresh torch reference backend).
+    partition : pikv_hf.distributed.Partition, optional
+        Store the shards on several devices / ranks and merge their partial attention (``pikv_hf.distributed``).
     """
 
     is_sliding = False
@@ -80,6 +85,7 @@ class PiKVLayer(CacheLayerMixin):
         track_stats: bool = False,
         read: ReadConfig | None = None,
         backend: TorchBackend | None = None,
+        partition: Partition | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -89,6 +95,7 @@ class PiKVLayer(CacheLayerMixin):
         self.shard_groups = shard_groups
         self.track_stats = track_stats
         self.backend = backend or TorchBackend()
+        self.partition = partition
         self.store: PagedStore | None = None
         self.seen = 0  # tokens seen by this layer, pads included
         self.evicted: torch.Tensor | None = None  # [B, H] tokens evicted per (row, KV head); crop is not eviction
@@ -107,7 +114,8 @@ class PiKVLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ CacheLayerMixin contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
-        self.store = PagedStore(
+        make_store = PagedStore if self.partition is None else self.partition.store
+        self.store = make_store(
             b,
             h,
             dk,
@@ -194,6 +202,8 @@ class PiKVLayer(CacheLayerMixin):
             if not bool(padding.all()):
                 st.invalidate(self._last_slot, padding[:, -q:])
                 self.row_start = padding.to(torch.int8).argmax(-1)  # first real token of each row
+        if self.partition is not None:  # shards on several devices / ranks: partials merged there
+            return self.partition.attend(self, query, self._last_qpos, scale, sliding_window, sinks)
         if (
             fresh is not None
             and (padding is None or bool(padding[:, -q:].all()))
@@ -309,6 +319,8 @@ class PiKVLayer(CacheLayerMixin):
         st = self.store
         if st is None:
             raise RuntimeError(f"layer {self.layer_idx}: evict() before any token was stored")
+        if self.partition is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: evict() is not supported on a partitioned cache")
         frame = (st.batch, st.heads, st.table.width() * st.page_size)
         if tuple(keep.shape) != frame or keep.dtype != torch.bool:
             raise ValueError(f"keep must be a bool tensor of shape {frame}, got {keep.dtype} {tuple(keep.shape)}")
@@ -359,7 +371,10 @@ class PiKVLayer(CacheLayerMixin):
         self._last_slot = self._last_qpos = self._fresh_kv = None
 
     def check_croppable(self) -> None:
-        """Raise if tokens were evicted: positions being cut may no longer be stored, so crop is undefined."""
+        """Raise if tokens were evicted (positions being cut may no longer be stored, so crop is undefined) or the
+        layer is partitioned."""
+        if self.partition is not None and self.store is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: crop() is not supported on a partitioned cache")
         if self.evicted is not None and bool((self.evicted > 0).any()):
             raise RuntimeError(
                 f"layer {self.layer_idx}: crop() is undefined after {int(self.evicted.max())} tokens were evicted "
