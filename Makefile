@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test lint bench bench-distributed clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ bench: $(STAMP)
 		--out benchmarks/results/decode_speed_cpu.json
 	$(PY) benchmarks/bench_decode.py --contexts 8192 16384 32768 --steps 5 --repeats 15 --threads 1 --page-size 1 \
 		--out benchmarks/results/decode_speed_page1_cpu.json
+
+# Expert-sharded KV over G = 1, 2, 4, 8 gloo ranks (torchrun on loopback): bytes per decode step, per-rank KV (~3 min, 2 cores)
+bench-distributed: $(STAMP)
+	$(PY) benchmarks/bench_distributed.py --ranks 1 2 4 8 --context 4096 --steps 16 \
+		--out benchmarks/results/distributed_gloo_cpu.json
 
 # >>> eval targets (owned by the evaluation harness)
 # Results table: kvpress presses x ratios on dense and upcycled-MoE SmolLM2, RULER needle tasks at 2k (resumable).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 from transformers import DynamicCache
 
@@ -35,6 +37,29 @@ def generate(model, ids, cache, **kwargs):
     return model.generate(
         ids, past_key_values=cache, output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs
     )
+
+
+def greedy_logits(model, ids, mask, cache, steps: int, before_step=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill logits ``[B, T, V]`` and those of ``steps`` greedy decode steps ``[steps, B, V]`` (a plain forward
+    loop; ``before_step(i)`` runs before decode step ``i``)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        prefill, decoded = out.logits, []
+        for i in range(steps):
+            if before_step is not None:
+                before_step(i)
+            nxt = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+            out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+            decoded.append(out.logits[:, -1])
+    return prefill, torch.stack(decoded)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def max_logit_diff(a, b) -> float:
@@ -82,8 +107,10 @@ __all__ = [
     "byte_tokenizer",
     "SCENARIO_CASES",
     "DynamicCache",
+    "free_port",
     "TOL",
     "generate",
+    "greedy_logits",
     "max_logit_diff",
     "model_pair",
     "pikv",

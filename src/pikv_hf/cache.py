@@ -23,6 +23,7 @@ from transformers.cache_utils import Cache
 from pikv_hf.attention import TorchBackend
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
+from pikv_hf.distributed import ShardPlan, bind
 from pikv_hf.hf import attach, detach
 from pikv_hf.layer import PagedKV, PiKVLayer
 from pikv_hf.read import RoutingStats
@@ -81,6 +82,10 @@ class PiKVCache(Cache):
         Reserve pages for this many tokens per (row, KV head) at the first update and never move them: the exact
         decode step then runs without host synchronisation, so ``torch.compile`` captures it in one graph and the
         cache reports ``is_compileable`` (as ``StaticCache`` does). Default: grow as tokens arrive.
+    partition : pikv_hf.distributed.ShardPlan, optional
+        Where the shards live: partitions on several devices of this process (``ShardPlan.for_devices``,
+        ``ShardPlan.from_accelerate``) or one per ``torch.distributed`` rank (``ShardPlan.for_ranks``); attention
+        merges the partitions' partials exactly. Not with ``track_stats``, Quest reads, eviction or crop.
     **read_options
         The other ``ReadConfig`` fields (``top_k_shards``, ``selector``, ``selector_kwargs``, ``n_sink``,
         ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``, ``measure_recall``, ``reward_every``);
@@ -104,6 +109,7 @@ class PiKVCache(Cache):
         track_stats: bool = False,
         attention: str | ReadConfig = "exact",
         max_cache_len: int | None = None,
+        partition: ShardPlan | None = None,
         **read_options: Any,
     ) -> None:
         is_model = isinstance(model, nn.Module)
@@ -127,6 +133,12 @@ class PiKVCache(Cache):
         read = ReadConfig.build(attention, num_shards=num_shards, num_layers=n_layers, **read_options)
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
+        placed = None
+        if partition is not None and max_cache_len is not None:
+            raise ValueError("max_cache_len (a compileable cache) is not supported with a partition")
+        if partition is not None:  # checks the plan (and, over ranks, that every rank builds this cache) first
+            settings = dict(num_shards=num_shards, page_size=page_size, router=router, shard_groups=shard_groups)
+            placed = bind(partition, config=text_config, track_stats=track_stats, read=read, **settings)
         tap = _expert_tap(model) if router == "expert" else None
         if is_model:
             attach(model)
@@ -145,6 +157,7 @@ class PiKVCache(Cache):
                 is_sliding=sliding[i],
                 attention_module=modules[i],
                 max_cache_len=max_cache_len,
+                partition=placed,
             )
             for i in range(n_layers)
         ]
@@ -154,6 +167,7 @@ class PiKVCache(Cache):
         self.num_shards = num_shards
         self.page_size = page_size
         self.read = read
+        self.partition = placed
 
     def detach(self) -> None:
         """Give the model back the attention implementation it had before this cache attached it, so caches other
@@ -174,6 +188,8 @@ class PiKVCache(Cache):
         Stored tokens are kept; selectors and routing statistics start fresh. Raises before changing anything.
         """
         read = ReadConfig.build(attention, num_shards=self.num_shards, num_layers=len(self.layers), **read_options)
+        if self.partition is not None:
+            self.partition.check_read(read)
         self.read = read
         for layer in self.layers:
             layer.set_read(read)
@@ -199,6 +215,7 @@ class PiKVCache(Cache):
             id(layer.placement.tap): layer.placement.tap for layer in self.layers if hasattr(layer.placement, "tap")
         }
         memo[id(self.backend)] = backend = TorchBackend()
+        memo[id(self.partition)] = self.partition  # shared: its process group, if any, serves the copy too
         copied = copy.deepcopy(self, memo=memo)
         assert copied.backend is backend
         return copied

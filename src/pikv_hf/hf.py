@@ -158,7 +158,9 @@ def pikv_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     padding = attention_mask.padding if isinstance(attention_mask, PiKVMask) else None
     out = layer.attend(query, scale, padding, sliding_window, s_aux)
-    weights = layer.attention_weights(query, scale, sliding_window, s_aux) if wants_attention_weights(module) else None
+    weights = None
+    if layer.partition is None and wants_attention_weights(module):  # a partitioned layer has no dense view
+        weights = layer.attention_weights(query, scale, sliding_window, s_aux)
     return out, weights
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,10 @@ def _same_action(a: tuple, b: tuple) -> bool:
     if a[0] != b[0]:
         return False
     return a[0] == "same" or (a[1] == b[1] if a[0] == "crop" else torch.equal(a[1], b[1]))
+
+
+if TYPE_CHECKING:
+    from pikv_hf.distributed import Partition
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ class PiKVLayer(CacheLayerMixin):
     attention_module : torch.nn.Module, optional
         The model's attention module of this layer (weakly referenced): head-wise kvpress presses leave their key
         masks on it (``masked_key_indices``), which the layer turns into evictions.
+    partition : pikv_hf.distributed.Partition, optional
+        Store the shards on several devices / ranks and merge their partial attention (``pikv_hf.distributed``).
 
     Notes
     -----
@@ -115,6 +121,7 @@ class PiKVLayer(CacheLayerMixin):
         is_sliding: bool = False,
         attention_module: torch.nn.Module | None = None,
         max_cache_len: int | None = None,
+        partition: Partition | None = None,
     ) -> None:
         self.store: PagedStore | None = None
         self._view: DenseView | None = None  # the latest dense view; its tensors are dropped on every write
@@ -133,6 +140,7 @@ class PiKVLayer(CacheLayerMixin):
         self.backend = backend or TorchBackend()
         self._seen = 0  # tokens seen by this layer, pads included (a tensor, _seen_t, in compileable mode)
         self._seen_t: torch.Tensor | None = None
+        self.partition = partition
         self.evicted: torch.Tensor | None = None  # [B, H] tokens evicted per (row, KV head); crop is not eviction
         self._min_evicted = 0  # evicted.min(), kept as a Python int so that mask sizes need no device sync
         self.row_start: torch.Tensor | None = None  # [B] position of each row's first real token
@@ -161,7 +169,8 @@ class PiKVLayer(CacheLayerMixin):
     # ------------------------------------------------------------------ CacheLayerMixin contract
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
-        self.store = PagedStore(
+        make_store = PagedStore if self.partition is None else self.partition.store
+        self.store = make_store(
             b,
             h,
             dk,
@@ -272,6 +281,8 @@ class PiKVLayer(CacheLayerMixin):
                 st.invalidate(int(self._last_qpos[0]), padding[:, -q:])
                 self.row_start = padding.to(torch.int8).argmax(-1)  # first real token of each row
                 padded = not bool(padding[:, -q:].all())
+        if self.partition is not None:  # shards on several devices / ranks: partials merged there
+            return self.partition.attend(self, query, self._last_qpos, scale, sliding_window, sinks)
         if (
             fresh is not None
             and not padded
@@ -388,6 +399,11 @@ class PiKVLayer(CacheLayerMixin):
         """The position-ordered copy of the stored tokens (taken once per write; None before the first update)."""
         if self.store is None:
             return None
+        if self.partition is not None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: a partitioned cache has no dense keys / values view (its tokens live on "
+                "several devices or ranks)"
+            )
         self._flush_pending()
         return self._snapshot()
 
@@ -535,6 +551,8 @@ class PiKVLayer(CacheLayerMixin):
         st = self.store
         if st is None:
             raise RuntimeError(f"layer {self.layer_idx}: evict() before any token was stored")
+        if self.partition is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: evict() is not supported on a partitioned cache")
         frame = (st.batch, st.heads, st.table.width() * st.page_size)
         if tuple(keep.shape) != frame or keep.dtype != torch.bool:
             raise ValueError(f"keep must be a bool tensor of shape {frame}, got {keep.dtype} {tuple(keep.shape)}")
@@ -594,6 +612,8 @@ class PiKVLayer(CacheLayerMixin):
             max_length = self.seen + max_length
         if self.store is None or max_length >= self.seen:
             return
+        if self.partition is not None:
+            raise RuntimeError(f"layer {self.layer_idx}: crop() is not supported on a partitioned cache")
         max_length = max(max_length, 0)
         self._touch()
         removed = self.store.retain(self.store.frame("pos") < max_length)

@@ -27,6 +27,14 @@ class RoutedRead(ExactRead):
     def plan(
         self, store: PagedStore, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
     ) -> ReadPlan:
+        return self.read_shards(store, self.choose(store, qg, scale), qpos_last, row_start)
+
+    def choose(self, store: PagedStore, qg: torch.Tensor, scale: float) -> torch.Tensor:
+        """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) select from ``store.summary``.
+
+        ``store`` may be any object with ``batch``, ``heads``, ``num_shards``, ``device`` and ``summary(misses)``:
+        a distributed layer chooses once from the statistics of all its shards (``pikv_hf.distributed``).
+        """
         cfg = self.config
         b, h, s = store.batch, store.heads, store.num_shards
         if self.misses is None or self.misses.shape[:2] != (b, h):
@@ -40,11 +48,17 @@ class RoutedRead(ExactRead):
         chosen = torch.zeros(b, h, s, dtype=torch.bool, device=store.device).scatter_(2, selected, keep)
         if self.shard_evicted is not None:
             self.misses += (chosen & (self.shard_evicted > 0)).long()
+        self._last = (summary, selected)
+        return chosen
+
+    def read_shards(self, store: PagedStore, chosen: torch.Tensor, qpos_last: int, row_start: torch.Tensor) -> ReadPlan:
+        """The plan reading, from ``store``, the pages of the ``chosen`` shards (``[B, H, S]`` bool) and the pages
+        holding the row's sink and recent-window tokens (of those, only the sink / recent tokens count)."""
+        cfg = self.config
         page_shard = store.frame("shard").long()
         full = chosen.gather(2, page_shard.clamp(min=0)) & (page_shard >= 0)
         pages = pages_from_mask(full | special_pages(store, qpos_last, cfg.n_sink, cfg.window, row_start))
         page_full = full.gather(2, pages.clamp(min=0)) & (pages >= 0)
-        self._last = (summary, selected)
         return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start)
 
     def learns(self) -> bool:

@@ -131,7 +131,13 @@ class PagedStore:
             self._relayout(torch.full_like(t.cap, max(pages, int(t.cap.max()))), t.start, t.n_pages)
 
     def append(
-        self, keys: torch.Tensor, values: torch.Tensor, shard: torch.Tensor, pos: torch.Tensor, grow: bool = True
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        shard: torch.Tensor,
+        pos: torch.Tensor,
+        present: torch.Tensor | None = None,
+        grow: bool = True,
     ) -> torch.Tensor:
         """Store new tokens in their shards' pages.
 
@@ -143,6 +149,9 @@ class PagedStore:
             ``[B, H, q]`` int64 shard ids in ``[0, S)``.
         pos : torch.Tensor
             ``[q]`` or ``[B, H, q]`` sequence positions.
+        present : torch.Tensor, optional
+            ``[B, H, q]`` bool: only these tokens are stored (a partition of a distributed layer holds only its
+            own shards); the others take no slot and stay out of this store's shard statistics. Default: all.
         grow : bool
             Grow the runs that need more pages. False: the capacity reserved beforehand (:meth:`reserve`) must
             suffice; nothing is checked (no host synchronisation).
@@ -150,30 +159,34 @@ class PagedStore:
         Returns
         -------
         torch.Tensor
-            ``[B, H, q]`` int64 flat pool slot id of every token.
+            ``[B, H, q]`` int64 flat pool slot id of every token (``-1`` for tokens not present).
         """
         b, h, q = shard.shape
-        a = self.table.assign(shard)
+        a = self.table.assign(shard, present)
         if grow:
             self._reserve(a.need)
         self.table.commit(a)
-        page = self.table.start.unsqueeze(-1) + a.local_page
-        slot = page * self.page_size + a.offset
-        flat = slot.reshape(-1)
-        encoded = self.codec.encode(keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim))
+        slot = (self.table.start.unsqueeze(-1) + a.local_page) * self.page_size + a.offset
+        k, v, sh = keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim), shard.reshape(-1)
+        pos, bhs, flat = pos.to(torch.int32).expand(b, h, q).reshape(-1), self._bhs(shard).reshape(-1), slot.reshape(-1)
+        if present is not None:
+            slot = slot.masked_fill(~present, -1)
+            take = present.reshape(-1)
+            k, v, sh, pos, bhs, flat = (x[take] for x in (k, v, sh, pos, bhs, flat))
+        encoded = self.codec.encode(k, v)
         for name, t in encoded.items():
             self.pool.write(name, flat, t)
-        self.pool.write("pos", flat, pos.to(torch.int32).expand(b, h, q).reshape(-1))
+        self.pool.write("pos", flat, pos)
         self.pool.write("valid", flat, torch.ones(flat.numel(), dtype=torch.bool, device=self.device))
         for name in self.stat_fields:
             self.pool.write(
                 name, flat, torch.zeros(flat.numel(), dtype=self.pool.specs[name].dtype, device=self.device)
             )
-        self.pool["shard"].index_copy_(0, page.reshape(-1), shard.reshape(-1).to(torch.int32))
-        k = keys.reshape(-1, self.k_dim)
-        self.stats.add(self._bhs(shard).reshape(-1), k)
+        page = flat.div(self.page_size, rounding_mode="floor")
+        self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
+        self.stats.add(bhs, k)
         if self.page_bounds_kept:
-            self._fold_page_bounds(page.reshape(-1), k)
+            self._fold_page_bounds(page, k)
         return slot
 
     def _bhs(self, shard: torch.Tensor) -> torch.Tensor:

@@ -80,20 +80,27 @@ class PageTable:
         ok = (local >= 0) & (local < self.cap.unsqueeze(-1))
         return torch.where(ok, self.start.unsqueeze(-1) + local, -1)
 
-    def assign(self, shard: torch.Tensor) -> Assignment:
+    def assign(self, shard: torch.Tensor, present: torch.Tensor | None = None) -> Assignment:
         """Pages and offsets of new tokens of shards ``shard`` (``[B, H, q]`` int64), appended in order to their
-        shard's open page, then to new pages; nothing is changed until :meth:`commit`."""
+        shard's open page, then to new pages; nothing is changed until :meth:`commit`.
+
+        ``present`` (``[B, H, q]`` bool, optional): tokens with False take no slot (their ``local_page`` /
+        ``offset`` are meaningless); a partition of a distributed layer stores only its own shards' tokens.
+        """
         b, h, q = shard.shape
         p, s = self.page_size, self.num_shards
-        # rank of each token among the new tokens of its shard, by a stable sort (no [B, H, q, S] one-hot)
-        order = shard.argsort(dim=-1, stable=True)
-        count = torch.zeros(b, h, s, dtype=torch.int64, device=shard.device).scatter_add_(
-            2, shard, torch.ones_like(shard)
+        # rank of each token among the new tokens of its shard, by a stable sort (no [B, H, q, S] one-hot); absent
+        # tokens sort into an extra shard S that no page belongs to
+        key = shard if present is None else torch.where(present, shard, s)
+        order = key.argsort(dim=-1, stable=True)
+        counts = torch.zeros(b, h, s + 1, dtype=torch.int64, device=shard.device).scatter_add_(
+            2, key, torch.ones_like(key)
         )
-        first = count.cumsum(-1) - count
-        sorted_shard = shard.gather(2, order)
-        sorted_rank = torch.arange(q, device=shard.device) - first.gather(2, sorted_shard)
+        first = counts.cumsum(-1) - counts
+        sorted_key = key.gather(2, order)
+        sorted_rank = torch.arange(q, device=shard.device) - first.gather(2, sorted_key)
         rank = torch.empty_like(shard).scatter_(2, order, sorted_rank)
+        count = counts[..., :s]
 
         base = torch.where(self.open_page >= 0, self.open_fill, p)  # fill of each shard's open page (P: none)
         n_new = (base + count - p).clamp(min=0).add(p - 1).div(p, rounding_mode="floor")  # new pages per shard

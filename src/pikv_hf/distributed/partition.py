@@ -1,0 +1,275 @@
+"""A layer's KV split over the partitions of a ``ShardPlan``, and its attention: partials per partition, exact merge.
+
+Replicated compute, sharded KV (decode context parallelism). Every rank runs the same model on the same inputs, so
+every rank's layer sees every new key at ``update`` and places it with the same deterministic router; each
+partition stores only the tokens of its own shards (``PagedStore.append(..., present=...)``), while the shard
+statistics of *all* shards are kept next to them (``PartitionedStore.stats``, updated exactly as a single store
+would), so routed selection is global and identical everywhere and each partition reads only its selected shards.
+At every attention call (prefill chunks included) each local partition computes the partial ``(o, lse)`` of all
+query rows over its tokens, on its own device; the partials are merged exactly by log-sum-exp, first in this
+process, then across ranks after an all-gather, and attention sinks (GPT-OSS) join once, after the merge. Only
+queries and partials move: the query to each partition's device, ``[B, Hq, q, Dv + 1]`` floats between ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PretrainedConfig
+
+from pikv_hf.attention import Partial, merge_partials, sink_partial
+from pikv_hf.config import ReadConfig
+from pikv_hf.distributed.comm import Communicator
+from pikv_hf.distributed.plan import ShardPlan
+from pikv_hf.read import ReadPlan, RoutedRead, RoutingStats
+from pikv_hf.routing import Selector, ShardSummary, make_selector
+from pikv_hf.store import PagedStore, ShardStats
+
+if TYPE_CHECKING:
+    from pikv_hf.layer import PiKVLayer
+
+
+class PartitionedStore:
+    """One layer's store under a plan: a ``PagedStore`` per local partition plus the statistics of every shard.
+
+    It offers what ``PiKVLayer`` reads from a store outside attention (sizes, ``append``, ``invalidate``, batch
+    operations, byte counts) and what a routed selection reads (``summary``); attention itself goes through
+    :meth:`Partition.attend`. Arguments as ``PagedStore``'s; ``device`` is the layer's (where keys arrive, where
+    partials are merged), each partition's pool lives on its plan device.
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        batch: int,
+        heads: int,
+        k_dim: int,
+        v_dim: int,
+        num_shards: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        track_stats: bool = False,
+    ) -> None:
+        self.k_dim, self.v_dim, self.dtype, self.device = int(k_dim), int(v_dim), dtype, device
+        self.num_shards, self.page_size = int(num_shards), int(page_size)
+        owner = torch.tensor(plan.owner, device=device)
+        self.parts: list[PagedStore] = []
+        self.mine: list[torch.Tensor] = []  # [S] bool per local partition: the shards it holds
+        for p in plan.local_partitions:
+            where = torch.device(plan.devices[p]) if plan.devices[p] is not None else device
+            part = PagedStore(batch, heads, k_dim, v_dim, num_shards, page_size, dtype, where, track_stats=track_stats)
+            self.parts.append(part)
+            self.mine.append(owner == p)
+        self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)  # every shard, not only local ones
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row-head-shard ids, keys) of the last append
+
+    @property
+    def batch(self) -> int:
+        return self.stats.count.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.stats.count.shape[1]
+
+    def append(
+        self, keys: torch.Tensor, values: torch.Tensor, shard: torch.Tensor, pos: torch.Tensor, grow: bool = True
+    ) -> None:
+        """Store each new token (``[B, H, q, D]``, shards ``[B, H, q]``, positions ``[q]``) in the local partition
+        owning its shard, if any; fold every key into the statistics."""
+        b, h, _ = shard.shape
+        bhs = torch.arange(b * h, device=shard.device).view(b, h, 1) * self.num_shards + shard
+        self.stats.add(bhs.reshape(-1), keys.reshape(-1, self.k_dim))  # the same sums as one PagedStore's
+        self._pending = (bhs, keys)  # padding is known at the attention call; these keys then leave the statistics
+        for part, mine in zip(self.parts, self.mine, strict=True):
+            present = mine[shard]
+            if bool(present.any()):
+                d = part.device
+                part.append(keys.to(d), values.to(d), shard.to(d), pos.to(d), present.to(d))
+
+    def invalidate(self, first_pos: int, keep: torch.Tensor) -> None:
+        """Drop the latest append's tokens (positions ``first_pos + i``) where ``keep[:, i]`` (``[B, q]``) is False
+        (padding), in every partition and in the statistics."""
+        for part in self.parts:
+            if part.table.width():
+                part.invalidate(first_pos, keep.to(part.device))
+        bhs, keys = self._pending
+        drop = ~keep.unsqueeze(1).expand_as(bhs)
+        if bool(drop.any()):
+            self.stats.add(bhs[drop], keys[drop], sign=-1)
+
+    def release_pending(self) -> None:
+        """Forget the latest append's keys (after its attention call: padding can no longer arrive)."""
+        self._pending = None
+
+    def summary(self, misses: torch.Tensor) -> ShardSummary:
+        """The summaries of every shard of the layer (the same on every rank)."""
+        return self.stats.summary(misses)
+
+    def index_batch(self, index: torch.Tensor) -> None:
+        for part in self.parts:
+            part.index_batch(index.to(part.device))
+        self.stats.index_batch(index)
+        self._pending = None
+
+    def tokens_per_shard(self) -> torch.Tensor:
+        """``[B, H, S]`` valid tokens held by this process's partitions (zero for other ranks' shards)."""
+        return sum(part.tokens_per_shard().to(self.device) for part in self.parts)
+
+    def kv_nbytes(self) -> int:
+        return sum(part.kv_nbytes() for part in self.parts)
+
+    def meta_nbytes(self) -> int:
+        return sum(part.meta_nbytes() for part in self.parts) + self.stats.nbytes()
+
+
+def _empty_partial(query: torch.Tensor, v_dim: int) -> Partial:
+    b, hq, q, _ = query.shape
+    o = torch.zeros(b, hq, q, v_dim, device=query.device)
+    return Partial(o, torch.full((b, hq, q), float("-inf"), device=query.device))
+
+
+class Partition:
+    """A plan bound to a cache: builds each layer's :class:`PartitionedStore` and computes its attention.
+
+    Build it with :func:`bind` (``PiKVCache(..., partition=plan)`` does). ``comm`` is None in one process.
+    """
+
+    def __init__(self, plan: ShardPlan, comm: Communicator | None) -> None:
+        self.plan, self.comm = plan, comm
+
+    def store(self, *args, **kwargs) -> PartitionedStore:
+        """A layer's store, built where ``PiKVLayer`` would build a ``PagedStore`` (same arguments)."""
+        return PartitionedStore(self.plan, *args, **kwargs)
+
+    def check_read(self, read: ReadConfig) -> None:
+        """Raise ``ValueError`` for read settings that need every token in one place."""
+        if read.attention == "quest":
+            raise ValueError(
+                "attention='quest' is not supported with a partition: Quest's page budget per (row, KV head) "
+                "spans every shard; use 'exact' or 'routed'"
+            )
+        if read.sparse and read.measure_recall:
+            raise ValueError("measure_recall is not supported with a partition (recall needs exact attention's mass)")
+        if read.attention == "routed":
+            selector = make_selector(read.selector, **read.selector_kwargs)
+            if type(selector).update is not Selector.update:
+                raise ValueError(
+                    f"selector {read.selector!r} learns from recall, which a partition does not measure; "
+                    "use a stateless selector"
+                )
+
+    def attend(
+        self,
+        layer: PiKVLayer,
+        query: torch.Tensor,
+        qpos: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of ``layer``'s latest queries (``[B, Hq, q, Dk]`` at positions ``qpos``) over every shard
+        -> ``[B, q, Hq, Dv]``: one partial per local partition, merged here and across ranks."""
+        st: PartitionedStore = layer.store
+        b, hq, q, dk = query.shape
+        sparse = q == 1 and layer.read.sparse
+        row_start = layer.row_start  # [B] first real token of each row (left padding), or None
+        if row_start is None:
+            row_start = torch.zeros(b, dtype=torch.int64, device=st.device)
+        chosen = None
+        if sparse and isinstance(layer.policy, RoutedRead):
+            chosen = layer.policy.choose(st, query.reshape(b, st.heads, hq // st.heads * q, dk), scale)
+        partials = []
+        for part in st.parts:
+            d = part.device
+            plan = ReadPlan()
+            if chosen is not None:
+                plan = layer.policy.read_shards(part, chosen.to(d), int(qpos[-1]), row_start.to(d))
+            if part.table.width() == 0 or (plan.pages is not None and plan.pages.shape[-1] == 0):
+                partial = _empty_partial(query, st.v_dim)
+            else:
+                partial = layer.backend.attend(
+                    query.to(d), part, plan, qpos.to(d), scale, sliding_window, None, layer.shard_groups, count=sparse
+                )
+            if sparse:
+                _record_read(layer.routing_stats, part, plan, partial)
+            partials.append((partial.o.to(st.device), partial.lse.to(st.device)))
+        if sparse:
+            layer.routing_stats.steps += 1
+            layer.routing_stats.heads += b * st.heads
+        o, lse = merge_partials(partials)
+        if self.comm is not None:
+            o, lse = merge_partials(self.comm.gather_partials(o, lse, f"attention partials of layer {layer.layer_idx}"))
+        if sinks is not None:
+            o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
+        st.release_pending()
+        return o.transpose(1, 2).to(query.dtype)
+
+
+def _record_read(stats: RoutingStats, part: PagedStore, plan: ReadPlan, partial: Partial) -> None:
+    """Add one partition's decode read to a layer's ``RoutingStats`` (this process's partitions only)."""
+    n_read = part.table.n_pages if plan.exact else (plan.pages >= 0).sum(-1)
+    if partial.attended is not None:
+        stats.tokens_attended += int(partial.attended.sum())
+    stats.tokens_stored += int(part.stats.count.sum())
+    stats.pages_gathered += int(n_read.sum())
+    stats.pages_stored += int(part.table.n_pages.sum())
+    stats.slots_gathered += int(n_read.sum()) * part.page_size
+
+
+def _config_digest(config: PretrainedConfig) -> str:
+    public = {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+    return hashlib.sha256(json.dumps(public, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def bind(
+    plan: ShardPlan,
+    *,
+    config: PretrainedConfig,
+    num_shards: int,
+    page_size: int,
+    router: str,
+    shard_groups: int,
+    track_stats: bool,
+    read: ReadConfig,
+) -> Partition:
+    """Check ``plan`` against a cache's settings and, with ranks, that every rank builds the same cache (one
+    all-gather of a fingerprint); raises ``ValueError`` / ``RuntimeError`` before the cache changes anything."""
+    if not isinstance(plan, ShardPlan):
+        raise TypeError(f"partition must be a pikv_hf.distributed.ShardPlan, got {type(plan).__name__}")
+    if plan.num_shards != num_shards:
+        raise ValueError(
+            f"the partition plan covers {plan.num_shards} shards but the cache has num_shards={num_shards}"
+        )
+    if track_stats:
+        raise ValueError("track_stats is not supported with a partition (slot statistics need the merged attention)")
+    partition = Partition(plan, None)
+    partition.check_read(read)
+    if plan.world_size == 1:
+        return partition
+    comm = Communicator(plan.group, plan.timeout)
+    if comm.world_size != plan.world_size or comm.rank != plan.rank:
+        raise ValueError(
+            f"the plan is for rank {plan.rank} of {plan.world_size}, but this process is rank {comm.rank} of "
+            f"{comm.world_size} in its process group"
+        )
+    model_fields = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size")
+    comm.check_same(
+        {
+            "world_size": plan.world_size,
+            "shard owners": plan.owner,
+            "num_shards": num_shards,
+            "page_size": page_size,
+            "router": router,
+            "shard_groups": shard_groups,
+            **{f"read.{k}": v for k, v in dataclasses.asdict(read).items()},
+            **{f"config.{k}": getattr(config, k, None) for k in model_fields},
+            "model config (digest)": _config_digest(config),
+        }
+    )
+    partition.comm = comm
+    return partition

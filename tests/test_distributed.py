@@ -1,0 +1,261 @@
+"""Shards on several partitions of one process (devices; here several partitions on "cpu": this machine has no
+GPU), plans, accelerate, and the errors of bad plans. Multi-process runs: ``test_distributed_ranks.py``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import free_port, generate, max_logit_diff, model_pair, prompt
+
+from pikv_hf import PiKVCache
+from pikv_hf.distributed import Communicator, ShardPlan, split_shards
+from pikv_hf.store import PagedStore
+from pikv_hf.tiny import tiny_model
+
+ROUTED = dict(attention="routed", top_k_shards=2, n_sink=2, window=4)
+TOL = 1e-5
+
+
+def _padded_prompt():
+    ids = prompt(29, batch=2, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    return ids, mask
+
+
+def _decode(model, cache, steps=12):
+    ids, mask = _padded_prompt()
+    return generate(model, ids, cache, attention_mask=mask, max_new_tokens=steps)
+
+
+@pytest.mark.parametrize(
+    ("arch", "router", "read"),
+    [
+        ("mixtral", "expert", {}),
+        ("qwen3_moe", "expert", ROUTED),
+        ("gpt_oss", "expert", {}),  # sinks (merged once) and sliding-window layers
+        ("gpt_oss", "round_robin", ROUTED),
+        ("llama", "key_cluster", ROUTED),
+    ],
+)
+def test_partitions_of_one_process_match_the_single_store(arch, router, read):
+    _, model = model_pair(arch)
+    single = PiKVCache(model, router=router, page_size=4, **read)
+    ref = _decode(model, single)
+    plan = ShardPlan.for_devices(single.num_shards, ["cpu"] * 3)
+    cache = PiKVCache(model, router=router, page_size=4, partition=plan, **read)
+    out = _decode(model, cache)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max_logit_diff(ref.logits, out.logits) < TOL
+    assert torch.equal(cache.tokens_per_shard(), single.tokens_per_shard())
+    for layer in cache.layers:
+        st = layer.store
+        assert len(st.parts) == 3
+        for part, p in zip(st.parts, plan.local_partitions, strict=True):
+            held = part.tokens_per_shard().sum(dim=(0, 1))
+            others = [s for s in range(plan.num_shards) if s not in plan.shards_of(p)]
+            assert int(held[others].sum()) == 0
+        # the statistics of every shard match the single store's (bit for bit where the keys are: layer 0; later
+        # layers' keys carry the rounding of the merged attention), so routed selection is the same
+        ref_st = single.layers[layer.layer_idx].store
+        assert torch.equal(st.stats.count, ref_st.stats.count)
+        same = torch.equal if layer.layer_idx == 0 else lambda a, b: torch.allclose(a, b, atol=1e-5)
+        assert same(st.stats.sum, ref_st.stats.sum) and same(st.stats.sq, ref_st.stats.sq)
+    if read:
+        got, want = cache.routing_stats()["overall"], single.routing_stats()["overall"]
+        assert got["steps"] == want["steps"]
+        assert got["fraction_tokens_attended"] == pytest.approx(want["fraction_tokens_attended"])
+        assert want["fraction_tokens_attended"] < 1
+
+
+def test_beam_search_and_chunked_prefill_reorder_and_extend_every_partition():
+    _, model = model_pair("qwen3_moe")
+    ids, mask = _padded_prompt()
+    kwargs = dict(attention_mask=mask, num_beams=3, num_return_sequences=2, prefill_chunk_size=8, output_scores=True)
+    ref = generate(model, ids, PiKVCache(model, router="expert", page_size=4, **ROUTED), **kwargs)
+    plan = ShardPlan.for_devices(4, ["cpu", "cpu"])
+    out = generate(model, ids, PiKVCache(model, router="expert", page_size=4, partition=plan, **ROUTED), **kwargs)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert max_logit_diff(ref.scores, out.scores) < TOL
+
+
+def test_explicit_map_builds_one_partition_per_device():
+    plan = ShardPlan.for_devices(4, {0: "cpu", 1: "cpu", 2: torch.device("cpu"), 3: "cpu"})
+    assert plan.owner == (0, 0, 0, 0) and plan.devices == ("cpu",)
+    plan = ShardPlan.for_devices(5, ["cpu", "cpu"])
+    assert plan.owner == (0, 0, 0, 1, 1) and plan.local_partitions == (0, 1)
+    _, model = model_pair("mixtral")
+    single = PiKVCache(model, router="expert", page_size=4)
+    cache = PiKVCache(
+        model, router="expert", page_size=4, partition=ShardPlan.for_devices(4, {s: "cpu" for s in range(4)})
+    )
+    assert max_logit_diff(_decode(model, single).logits, _decode(model, cache).logits) < TOL
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (none here: multi-GPU path untested)")
+def test_partitions_on_two_gpus_match_one_gpu():
+    model = tiny_model("mixtral").to("cuda:0")
+    ids, mask = (t.to("cuda:0") for t in _padded_prompt())
+    single = generate(model, ids, PiKVCache(model, router="expert", page_size=4), attention_mask=mask)
+    cache = PiKVCache(model, router="expert", page_size=4, partition=ShardPlan.for_devices(4, ["cuda:0", "cuda:1"]))
+    out = generate(model, ids, cache, attention_mask=mask)
+    assert max_logit_diff(single.logits, out.logits) < 1e-4
+    assert {str(p.device) for p in cache.layers[0].store.parts} == {"cuda:0", "cuda:1"}
+
+
+def test_split_shards_follows_memory():
+    assert split_shards(8, {"cuda:0": 1, "cuda:1": 3}) == {s: "cuda:0" if s < 2 else "cuda:1" for s in range(8)}
+    assert list(split_shards(5, {"a": 1, "b": 1, "c": 1}).values()) == ["a", "a", "b", "b", "c"]
+    assert set(split_shards(2, {"a": 1, "b": 1, "c": 10}).values()) == {"c"}  # shares that round to nothing
+    with pytest.raises(ValueError, match="weights must hold at least one positive value"):
+        split_shards(4, {"a": 0})
+
+
+def test_accelerate_plan_and_a_device_mapped_model(tmp_path):
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+    from accelerate.utils import send_to_device
+    from transformers import AutoModelForCausalLM
+
+    plan = ShardPlan.from_accelerate(4)  # this machine: accelerate sees only the CPU
+    assert plan.devices == ("cpu",) and plan.owner == (0, 0, 0, 0)
+    with pytest.raises(ValueError, match="names device 'cuda:1', but this process sees 0 cuda device"):
+        ShardPlan.from_accelerate(4, {0: 0, 1: "1GiB", "cpu": "8GiB"})
+    tiny_model("mixtral").save_pretrained(tmp_path)
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"}).eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cpu").eval()
+    ref = _decode(ref_model, PiKVCache(ref_model, router="expert", page_size=4))
+    add_hook_to_module(model, AlignDevicesHook(execution_device="cpu", io_same_device=True))
+    cache = PiKVCache(model, router="expert", page_size=4, partition=ShardPlan.for_devices(4, ["cpu", "cpu"]))
+    assert not hasattr(cache, "to")  # accelerate's send_to_device moves anything with .to(); the cache has none
+    assert send_to_device({"past_key_values": cache}, "meta")["past_key_values"] is cache
+    out = _decode(model, cache)
+    assert max_logit_diff(ref.logits, out.logits) < TOL
+
+
+def test_store_append_with_present_stores_only_those_tokens():
+    g = torch.Generator().manual_seed(0)
+    b, h, q, d, s = 2, 2, 11, 8, 3
+    keys, values = torch.randn(b, h, q, d, generator=g), torch.randn(b, h, q, d, generator=g)
+    shard = torch.randint(0, s, (b, h, q), generator=g)
+    present = shard != 1
+    part = PagedStore(b, h, d, d, s, 2, torch.float32, torch.device("cpu"))
+    slot = part.append(keys, values, shard, torch.arange(q), present)
+    assert bool((slot[~present] == -1).all()) and bool((slot[present] >= 0).all())
+    want = torch.stack([(shard == i).sum(-1) for i in range(s)], -1).masked_fill(torch.arange(s) == 1, 0)
+    assert torch.equal(part.tokens_per_shard(), want)
+    valid, pos = part.frame("valid"), part.frame("pos").long()
+    k, v = part.frame_kv()
+    for bi in range(b):
+        for hi in range(h):
+            at = pos[bi, hi][valid[bi, hi]]
+            assert sorted(at.tolist()) == present[bi, hi].nonzero().squeeze(-1).tolist()
+            assert torch.equal(k[bi, hi][valid[bi, hi]], keys[bi, hi, at])
+            assert torch.equal(v[bi, hi][valid[bi, hi]], values[bi, hi, at])
+    part.invalidate(0, torch.tensor([[True] * q, [False] * 3 + [True] * (q - 3)]))
+    assert int(part.frame("valid").sum()) == int(present.sum()) - int(present[1, :, :3].sum())
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("build", "error", "message"),
+    [
+        (
+            lambda: ShardPlan.for_devices(4, {0: "cpu", 1: "cpu", 2: "cuda:3", 3: "cpu"}),
+            ValueError,
+            "names device 'cuda:3', but this process sees 0 cuda",
+        ),
+        (lambda: ShardPlan.for_devices(4, ["cpu", "cuda:3"]), ValueError, "names device 'cuda:3'"),
+        (
+            lambda: ShardPlan.for_devices(4, {0: "cpu", 1: "cpu", 5: "cpu"}),
+            ValueError,
+            "missing \\[2, 3\\], not shards \\[5\\]",
+        ),
+        (
+            lambda: ShardPlan.for_devices(2, ["cpu"] * 3),
+            ValueError,
+            "devices must list 1 to num_shards=2 devices, got 3",
+        ),
+        (lambda: ShardPlan.for_devices(2, ["gpu:0"]), ValueError, "names device 'gpu:0', which is not a torch device"),
+        (
+            lambda: ShardPlan.for_ranks(6, world_size=4, rank=0),
+            ValueError,
+            "num_shards=6 must be a multiple of world_size=4",
+        ),
+        (
+            lambda: ShardPlan.for_ranks(4, world_size=2, rank=2),
+            ValueError,
+            "rank must be an integer in \\[0, world_size=2\\)",
+        ),
+        (lambda: ShardPlan.for_ranks(4), ValueError, "needs world_size and rank, or an initialised torch.distributed"),
+        (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=0), ValueError, "timeout must be a positive number"),
+    ],
+)
+def test_bad_plans(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(partition=ShardPlan.for_devices(8, ["cpu"])),
+            "the partition plan covers 8 shards but the cache has num_shards=4",
+        ),
+        (dict(attention="quest", read_fraction=0.5), "attention='quest' is not supported with a partition"),
+        (dict(track_stats=True), "track_stats is not supported with a partition"),
+        (dict(attention="routed", top_k_shards=2, selector="adaptive"), "selector 'adaptive' learns from recall"),
+        (dict(attention="routed", top_k_shards=2, measure_recall=True), "measure_recall is not supported"),
+        (dict(partition="cpu"), "partition must be a pikv_hf.distributed.ShardPlan, got str"),
+        (
+            dict(partition=ShardPlan.for_ranks(4, world_size=2, rank=1)),
+            "needs an initialised torch.distributed process group",
+        ),
+    ],
+)
+def test_bad_cache_arguments_with_a_partition(kwargs, message):
+    model = tiny_model("mixtral")
+    kwargs.setdefault("partition", ShardPlan.for_devices(4, ["cpu", "cpu"]))
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=message):
+        PiKVCache(model, router="expert", **kwargs)
+    assert getattr(model.config, "_attn_implementation", None) != "pikv"  # raised before attaching to the model
+
+
+def test_partitioned_cache_refuses_quest_eviction_and_crop():
+    _, model = model_pair("mixtral")
+    cache = PiKVCache(model, router="expert", page_size=4, partition=ShardPlan.for_devices(4, ["cpu", "cpu"]))
+    _decode(model, cache, steps=2)
+    with pytest.raises(ValueError, match="attention='quest' is not supported with a partition"):
+        cache.set_attention("quest", read_fraction=0.5)
+    assert cache.read.attention == "exact"
+    with pytest.raises(RuntimeError, match="layer 0: evict\\(\\) is not supported on a partitioned cache"):
+        cache.layers[0].evict(torch.ones(1, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="crop\\(\\) is not supported on a partitioned cache"):
+        cache.crop(5)
+    cache.set_attention("routed", top_k_shards=1)
+    assert cache.fork().partition is cache.partition
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=timedelta(seconds=10)
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_plan_must_fit_the_process_group(world_of_one):
+    model = tiny_model("mixtral")
+    with pytest.raises(ValueError, match="the plan is for rank 1 of 2, but this process is rank 0 of 1"):
+        PiKVCache(model, router="expert", partition=ShardPlan.for_ranks(4, world_size=2, rank=1))
+    assert ShardPlan.for_ranks(4).world_size == 1  # from the group
+    comm = Communicator(timeout=5)
+    o, lse = torch.randn(1, 4, 3, 16), torch.randn(1, 4, 3)
+    [(o2, lse2)] = comm.gather_partials(o, lse, "a test")
+    assert torch.equal(o, o2) and torch.equal(lse, lse2) and comm.sent_bytes == 0
+    assert comm.payload_bytes == o.numel() * 4 + lse.numel() * 4
+    comm.check_same({"num_shards": 4, "long": "x" * 500})
