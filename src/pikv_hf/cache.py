@@ -19,7 +19,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from pikv_hf.attention import TorchBackend
+from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
 from pikv_hf.hf import attach
@@ -65,6 +65,9 @@ class PiKVCache(Cache):
         Decode-time reads: ``"exact"`` (default), ``"routed"`` (each query reads only its ``top_k_shards``
         selected shards plus sinks and a recent window) or ``"quest"`` (Quest's per-page selection); a
         ``ReadConfig`` may be given instead.
+    attention_backend : str
+        ``"auto"`` (default: the fused Triton kernels for a cache on CUDA when triton is installed, the torch
+        reference otherwise), ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
     **read_options
         The other ``ReadConfig`` fields (``top_k_shards``, ``selector``, ``selector_kwargs``, ``n_sink``,
         ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``, ``measure_recall``, ``reward_every``);
@@ -85,6 +88,7 @@ class PiKVCache(Cache):
         shard_groups: int = 1,
         track_stats: bool = False,
         attention: str | ReadConfig = "exact",
+        attention_backend: str = "auto",
         **read_options: Any,
     ) -> None:
         is_model = isinstance(model, nn.Module)
@@ -106,10 +110,11 @@ class PiKVCache(Cache):
         read = ReadConfig.build(attention, num_shards=num_shards, num_layers=n_layers, **read_options)
         if router == "expert" and num_experts is None:
             raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
+        backend = make_backend(attention_backend)  # one for all layers: they attend one after the other
         tap = _expert_tap(model) if router == "expert" else None
         if is_model:
             attach(model)
-        self.backend = TorchBackend()  # one scratch workspace for all layers: they attend one after the other
+        self.backend = backend
         layers = [
             PiKVLayer(
                 i, make_placement(router, num_shards, i, tap), page_size, shard_groups, track_stats, read, self.backend
@@ -152,7 +157,7 @@ class PiKVCache(Cache):
         memo = {
             id(layer.placement.tap): layer.placement.tap for layer in self.layers if hasattr(layer.placement, "tap")
         }
-        memo[id(self.backend)] = backend = TorchBackend()
+        memo[id(self.backend)] = backend = make_backend(self.backend.name)
         copied = copy.deepcopy(self, memo=memo)
         assert copied.backend is backend
         return copied
