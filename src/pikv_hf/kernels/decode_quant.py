@@ -48,10 +48,6 @@ class QuantPages:
     bits: int
 
     @property
-    def k_dim(self) -> int:
-        return self.kq.shape[-1] * 8 // self.bits
-
-    @property
     def v_dim(self) -> int:
         return self.vq.shape[-1] * 8 // self.bits
 
@@ -170,13 +166,12 @@ def load_quant_kv(
 ):
     """The split kernel's ``LOAD_KV`` for quantised pages ``kv = (kq, k_scale, k_zero, vq, v_scale, v_zero)``:
     float32 keys ``[BLOCK_N, BLOCK_DK]`` and values ``[BLOCK_N, BLOCK_DV]`` dequantised in registers."""
-    kq, k_scale, k_zero, vq, v_scale, v_zero = kv
     k_at = page[:, None] * DK + dk[None, :]  # per page and channel
-    k = _codes(kq, slot, dk, k_mask, DK * BITS // 8, BITS) * tl.load(k_scale + k_at, mask=k_mask, other=0.0)
-    k += tl.load(k_zero + k_at, mask=k_mask, other=0.0)
+    k = _codes(kv[0], slot, dk, k_mask, DK * BITS // 8, BITS) * tl.load(kv[1] + k_at, mask=k_mask, other=0.0)
+    k += tl.load(kv[2] + k_at, mask=k_mask, other=0.0)
     v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]  # per token and group of channels
-    v = _codes(vq, slot, dv, v_mask, DV * BITS // 8, BITS) * tl.load(v_scale + v_at, mask=v_mask, other=0.0)
-    return k, v + tl.load(v_zero + v_at, mask=v_mask, other=0.0)
+    v = _codes(kv[3], slot, dv, v_mask, DV * BITS // 8, BITS) * tl.load(kv[4] + v_at, mask=v_mask, other=0.0)
+    return k, v + tl.load(kv[5] + v_at, mask=v_mask, other=0.0)
 
 
 def decode_attention_quant(
