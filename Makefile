@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint bench clean-venv
+.PHONY: demo test lint bench bench-kernels clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ bench: $(STAMP)
 		--out benchmarks/results/decode_speed_cpu.json
 	$(PY) benchmarks/bench_decode.py --contexts 8192 16384 32768 --steps 5 --repeats 15 --threads 1 --page-size 1 \
 		--out benchmarks/results/decode_speed_page1_cpu.json
+
+# Decode attention kernels: dense and sparse (25%, 12.5%) reads against SDPA and gather + SDPA, JSON named after the
+# device under benchmarks/results/ (the fused Triton kernels on CUDA, the torch reference path on CPU). Not in `test`.
+bench-kernels: $(STAMP)
+	$(PY) benchmarks/kernels.py
 
 # >>> eval targets (owned by the evaluation harness)
 # Results table: kvpress presses x ratios on dense and upcycled-MoE SmolLM2, RULER needle tasks at 2k (resumable).

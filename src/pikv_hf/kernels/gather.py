@@ -45,8 +45,7 @@ def gather_pages_reference(field: torch.Tensor, pages: torch.Tensor) -> torch.Te
     """
     flat = pages.reshape(-1).long()
     g = field.index_select(0, flat.clamp(min=0))
-    g[flat < 0] = 0
-    return g.view(*pages.shape, *field.shape[1:])
+    return g.masked_fill_((flat < 0).view(-1, *[1] * (field.dim() - 1)), 0).view(*pages.shape, *field.shape[1:])
 
 
 def _as_words(t: torch.Tensor, rows: int) -> torch.Tensor:
