@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint bench bench-distributed clean-venv
+.PHONY: demo test lint bench bench-distributed bench-kernels clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: $(STAMP)
 bench-distributed: $(STAMP)
 	$(PY) benchmarks/bench_distributed.py --ranks 1 2 4 8 --context 4096 --steps 16 \
 		--out benchmarks/results/distributed_gloo_cpu.json
+
+# Decode attention kernels: dense and sparse (25%, 12.5%) reads against SDPA and gather + SDPA, JSON named after the
+# device under benchmarks/results/ (the fused Triton kernels on CUDA, the torch reference path on CPU). Not in `test`.
+bench-kernels: $(STAMP)
+	$(PY) benchmarks/kernels.py
 
 # >>> eval targets (owned by the evaluation harness)
 # Results table: kvpress presses x ratios on dense and upcycled-MoE SmolLM2, RULER needle tasks at 2k (resumable).

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
-from pikv_hf.attention import TorchBackend
+from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
 from pikv_hf.distributed import ShardPlan, bind
@@ -86,6 +86,9 @@ class PiKVCache(Cache):
         Where the shards live: partitions on several devices of this process (``ShardPlan.for_devices``,
         ``ShardPlan.from_accelerate``) or one per ``torch.distributed`` rank (``ShardPlan.for_ranks``); attention
         merges the partitions' partials exactly. Not with ``track_stats``, Quest reads, eviction or crop.
+    attention_backend : str
+        ``"auto"`` (default: the fused Triton kernels for a cache on CUDA when triton is installed, the torch
+        reference otherwise), ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
     **read_options
         The other ``ReadConfig`` fields (``top_k_shards``, ``selector``, ``selector_kwargs``, ``n_sink``,
         ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``, ``measure_recall``, ``reward_every``);
@@ -110,6 +113,7 @@ class PiKVCache(Cache):
         attention: str | ReadConfig = "exact",
         max_cache_len: int | None = None,
         partition: ShardPlan | None = None,
+        attention_backend: str = "auto",
         **read_options: Any,
     ) -> None:
         is_model = isinstance(model, nn.Module)
@@ -136,13 +140,14 @@ class PiKVCache(Cache):
         placed = None
         if partition is not None and max_cache_len is not None:
             raise ValueError("max_cache_len (a compileable cache) is not supported with a partition")
+        backend = make_backend(attention_backend)  # one for all layers: they attend one after the other
         if partition is not None:  # checks the plan (and, over ranks, that every rank builds this cache) first
             settings = dict(num_shards=num_shards, page_size=page_size, router=router, shard_groups=shard_groups)
             placed = bind(partition, config=text_config, track_stats=track_stats, read=read, **settings)
         tap = _expert_tap(model) if router == "expert" else None
         if is_model:
             attach(model)
-        self.backend = TorchBackend()  # one scratch workspace for all layers: they attend one after the other
+        self.backend = backend
         modules = [getattr(la, "self_attn", None) for la in decoder_layers(model)] if is_model else [None] * n_layers
         sliding = sliding_layers(text_config)
         layers = [
@@ -214,7 +219,7 @@ class PiKVCache(Cache):
         memo = {
             id(layer.placement.tap): layer.placement.tap for layer in self.layers if hasattr(layer.placement, "tap")
         }
-        memo[id(self.backend)] = backend = TorchBackend()
+        memo[id(self.backend)] = backend = make_backend(self.backend.name)
         memo[id(self.partition)] = self.partition  # shared: its process group, if any, serves the copy too
         copied = copy.deepcopy(self, memo=memo)
         assert copied.backend is backend

@@ -1,0 +1,313 @@
+"""Decode attention through the backend seam: time, achieved bandwidth and share of the device's peak, for a dense
+(exact) read and for sparse reads of a fraction of the pages, against torch SDPA over the whole cache, gather +
+SDPA over the same pages, and FlashAttention / FlashInfer when they are importable.
+
+One layer's ``PagedStore`` holds ``tokens`` tokens per (row, KV head) in pages of ``--page-size`` (round-robin over
+8 shards, every page full). A sparse read selects a random ``fraction`` of each (row, KV head)'s pages; the backend
+(``make_backend("auto")``) reads them: the fused Triton kernel on CUDA, the torch reference (gather + masked
+attention) on CPU, which the JSON says (``"backend"``).
+
+* ``bytes_read``: what the fused read needs: K and V of the pages read, their ``pos`` and ``valid`` and the table;
+  ``gb_s`` = bytes_read / time and ``pct_peak`` against the peak bandwidth (``--peak-gbs``, or looked up from the
+  GPU's name, or on CPU the measured read bandwidth);
+* ``sdpa_full_ms``: ``F.scaled_dot_product_attention`` over the contiguous ``[B, H, tokens, D]`` cache (all of
+  it), ``gather_sdpa_ms``: the selected pages gathered (``gather_pages``, its reference on CPU) then SDPA; the
+  speedups are those over the fused read;
+* FlashAttention: ``flash_attn_with_kvcache`` over the dense cache; FlashInfer: ``BatchDecodeWithPagedKVCacheWrapper``
+  over the same pool pages and selection (each (row, KV head) one request of one KV head);
+* on CUDA, ``graph_step``: the attention of a ``--graph-layers`` layer decode step at 25% selection captured in a
+  CUDA graph, against its bytes bound (attention only: selection precomputed, no projections or MLPs).
+
+Random keys: this measures speed only.
+
+    python benchmarks/kernels.py                     # writes benchmarks/results/kernels_<device>.json
+    python benchmarks/kernels.py --peak-gbs 3350 --tokens 16384 32768 --batch 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_cache import median_ms, read_bandwidth_gbs, run_metadata, write_result
+
+from pikv_hf.attention.triton_backend import make_backend
+from pikv_hf.kernels import gather_pages, gather_pages_reference
+from pikv_hf.read import ReadPlan
+from pikv_hf.store import PagedStore
+
+# HBM peak in GB/s by GPU name (first match wins: the PCIe H100 before the SXM one)
+PEAK_GBS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100 80GB", 2039.0))
+SHARDS = 8
+TARGETS = {
+    "dense_pct_peak_min": 80.0,  # at 16k+ tokens x batch 8
+    "sparse_over_dense_gbs_min": 0.9,
+    "sparse_25_speedup_vs_sdpa_full_min": 3.5,
+    "graph_step_over_bound_max": 1.5,
+}
+
+
+def peak_bandwidth(device: torch.device, flag: float | None) -> tuple[float, str]:
+    """Peak bandwidth in GB/s and where it came from."""
+    if flag is not None:
+        return flag, "--peak-gbs"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, gbs in PEAK_GBS:
+            if all(part in name for part in key.split()):
+                return gbs, f"lookup table: {key}"
+        raise SystemExit(f"no peak bandwidth known for {name!r}: pass --peak-gbs")
+    return read_bandwidth_gbs(), "measured CPU read bandwidth (bench_cache.read_bandwidth_gbs)"
+
+
+def timer(device: torch.device, repeats: int):
+    """``ms(fn)``: median milliseconds of ``fn`` (CUDA: triton's do_bench, which flushes L2 between runs)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return lambda fn: median_ms(fn, repeats)
+
+
+def filled_store(args, tokens: int, batch: int, gen: torch.Generator) -> tuple[PagedStore, torch.Tensor, torch.Tensor]:
+    """A store holding ``tokens`` random tokens per (row, KV head), and the same keys and values densely."""
+    dev, dtype, h, d, p = args.device, args.dtype, args.kv_heads, args.head_dim, args.page_size
+    store = PagedStore(batch, h, d, d, SHARDS, p, dtype, dev)
+    keys = torch.randn(batch, h, tokens, d, generator=gen).to(dev, dtype)
+    values = torch.randn(batch, h, tokens, d, generator=gen).to(dev, dtype)
+    shard = (torch.arange(tokens, device=dev) // p % SHARDS).expand(batch, h, tokens)
+    store.append(keys, values, shard, torch.arange(tokens, device=dev))
+    return store, keys, values
+
+
+def sparse_plan(store: PagedStore, fraction: float, gen: torch.Generator) -> ReadPlan:
+    """Every page (``fraction == 1``) or a random ``fraction`` of each (row, KV head)'s pages, all full."""
+    if fraction >= 1:
+        return ReadPlan()
+    b, h, n = store.batch, store.heads, int(store.table.n_pages.max())
+    keep = max(1, round(fraction * n))
+    local = torch.rand(b, h, n, generator=gen).argsort(-1)[..., :keep].sort(-1).values
+    return ReadPlan(pages=local.to(store.device))
+
+
+def read_pages(store: PagedStore, plan: ReadPlan) -> torch.Tensor:
+    """``[B, H, n]`` global ids of the pages ``plan`` reads: the pages in use for an exact read (not the growth
+    headroom of the runs, which the fused read skips), else the plan's."""
+    local = plan.pages
+    if local is None:
+        n = int(store.table.n_pages.max())  # every run holds the same tokens
+        local = torch.arange(n, device=store.device).expand(store.batch, store.heads, n)
+    return store.table.pages(local)
+
+
+def bytes_read(store: PagedStore, pages: int) -> int:
+    """Bytes a fused read of ``pages`` pages moves: K and V, ``pos`` (4 B) and ``valid`` (1 B) per slot, one table
+    entry (8 B) per page."""
+    per_slot = (store.k_dim + store.v_dim) * store.pool["keys"].element_size() + 5
+    return pages * (store.page_size * per_slot + 8)
+
+
+def flash_attn_ms(ms, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> float:
+    """FlashAttention's decode over the dense cache (``[B, T, H, D]``)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    q = query.transpose(1, 2).contiguous()
+    k, v = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+    return ms(lambda: flash_attn_with_kvcache(q, k, v, softmax_scale=scale))
+
+
+def flashinfer_ms(ms, query: torch.Tensor, store: PagedStore, pages: torch.Tensor, scale: float) -> float:
+    """FlashInfer's paged decode over the same pool pages: each (row, KV head) is one request of one KV head whose
+    ``G`` query heads read the pages ``pages`` (``[B, H, n]`` global ids, ``-1`` padded)."""
+    import flashinfer
+
+    b, hq, _, d = query.shape
+    h, p, dev = store.heads, store.page_size, store.device
+    ok = pages >= 0
+    indptr = torch.zeros(b * h + 1, dtype=torch.int32, device=dev)
+    indptr[1:] = ok.reshape(b * h, -1).sum(-1).cumsum(0)
+    indices = pages[ok].to(torch.int32)
+    last = torch.full((b * h,), p, dtype=torch.int32, device=dev)
+    workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(indptr, indices, last, hq // h, 1, d, p, sm_scale=scale, q_data_type=query.dtype,
+                 kv_data_type=store.dtype)  # fmt: skip
+    kv = (store.pool["keys"].unsqueeze(2), store.pool["values"].unsqueeze(2))  # [N, P, 1, D]: NHD pages
+    q = query.reshape(b * h, hq // h, d)
+    return ms(lambda: wrapper.run(q, kv))
+
+
+def optional_baselines(args, ms, query, store, keys, values, pages, scale, dense: bool) -> dict:
+    """FlashAttention (dense reads) and FlashInfer (paged, the same pages), where importable; errors recorded."""
+    out = {}
+    if args.device.type != "cuda":
+        return out
+    runs = {"flashinfer_ms": lambda: flashinfer_ms(ms, query, store, pages, scale)}
+    if dense:
+        runs["flash_attn_ms"] = lambda: flash_attn_ms(ms, query, keys, values, scale)
+    for name, run in runs.items():
+        try:
+            out[name] = run()
+        except ImportError:
+            out[name] = None
+        except Exception as e:  # an optional library whose API moved: keep the run, say why
+            out[name.replace("_ms", "_error")] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def one_case(args, ms, backend, tokens: int, batch: int, fraction: float, peak: float, gen) -> dict:
+    store, keys, values = filled_store(args, tokens, batch, gen)
+    plan = sparse_plan(store, fraction, gen)
+    hq, d = args.heads, args.head_dim
+    query = torch.randn(batch, hq, 1, d, generator=gen).to(args.device, args.dtype)
+    qpos = torch.tensor([tokens - 1], device=args.device)
+    scale = d**-0.5
+    fused = ms(lambda: backend.attend(query, store, plan, qpos, scale))
+    pages = read_pages(store, plan)
+    n_read = int((pages >= 0).sum())
+    gather = gather_pages if args.device.type == "cuda" else gather_pages_reference
+
+    def gather_sdpa() -> torch.Tensor:
+        k = gather(store.pool["keys"], pages).view(batch, args.kv_heads, -1, d)
+        v = gather(store.pool["values"], pages).view(batch, args.kv_heads, -1, d)
+        return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=True)
+
+    diff = (backend.attend(query, store, plan, qpos, scale).o - gather_sdpa().float()).abs().max().item()
+    sdpa_full = ms(lambda: F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True))
+    gather_ms = ms(gather_sdpa)
+    n_bytes = bytes_read(store, n_read)
+    row = {
+        "tokens": tokens, "batch": batch, "heads": hq, "kv_heads": args.kv_heads, "head_dim": d,
+        "dtype": str(args.dtype).removeprefix("torch."), "page_size": args.page_size,
+        "selection_fraction": fraction, "pages_read": n_read, "ms": fused, "bytes_read": n_bytes,
+        "gb_s": n_bytes / fused / 1e6, "pct_peak": 100 * n_bytes / fused / 1e6 / peak,
+        "sdpa_full_ms": sdpa_full, "speedup_vs_sdpa_full": sdpa_full / fused,
+        "gather_sdpa_ms": gather_ms, "speedup_vs_gather_sdpa": gather_ms / fused,
+        "max_abs_diff_vs_gather_sdpa": diff,
+    }  # fmt: skip
+    row.update(optional_baselines(args, ms, query, store, keys, values, pages, scale, plan.exact))
+    print(
+        f"T={tokens:>6} B={batch} f={fraction:<6} fused {fused:8.3f} ms {row['gb_s']:8.1f} GB/s "
+        f"({row['pct_peak']:5.1f}% of peak)  SDPA full {sdpa_full:8.3f} ms (x{row['speedup_vs_sdpa_full']:.2f})  "
+        f"gather+SDPA {gather_ms:8.3f} ms (x{row['speedup_vs_gather_sdpa']:.2f})"
+    )
+    return row
+
+
+def graph_step(args, ms, backend, tokens: int, batch: int, peak: float, gen) -> dict:
+    """``--graph-layers`` layers' sparse (25%) decode attention captured in one CUDA graph, against its bytes
+    bound."""
+    layers = []
+    for _ in range(args.graph_layers):
+        store, _, _ = filled_store(args, tokens, batch, gen)
+        query = torch.randn(batch, args.heads, 1, args.head_dim, generator=gen).to(args.device, args.dtype)
+        layers.append((store, sparse_plan(store, 0.25, gen), query))
+    qpos = torch.tensor([tokens - 1], device=args.device)
+    scale = args.head_dim**-0.5
+
+    def step() -> None:
+        for store, plan, query in layers:
+            backend.attend(query, store, plan, qpos, scale)
+
+    step()  # compile the kernels before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    replay = ms(graph.replay)
+    n_bytes = sum(bytes_read(s, int((read_pages(s, p) >= 0).sum())) for s, p, _ in layers)
+    bound = n_bytes / peak / 1e6
+    print(f"graph step: {args.graph_layers} layers {replay:.3f} ms, bytes bound {bound:.3f} ms (x{replay / bound:.2f})")
+    return {"layers": args.graph_layers, "tokens": tokens, "batch": batch, "selection_fraction": 0.25,
+            "ms": replay, "bytes_read": n_bytes, "bound_ms": bound, "over_bound": replay / bound}  # fmt: skip
+
+
+def check_targets(cases: list[dict], graph: dict | None) -> dict:
+    """The issue's GPU targets, evaluated on these results."""
+    dense = {(c["tokens"], c["batch"]): c for c in cases if c["selection_fraction"] == 1}
+    big = [c for c in dense.values() if c["tokens"] >= 16384 and c["batch"] >= 8]
+    sparse = [c for c in cases if c["selection_fraction"] < 1]
+    ratios = [c["gb_s"] / dense[c["tokens"], c["batch"]]["gb_s"] for c in sparse]
+    quarter = [c["speedup_vs_sdpa_full"] for c in sparse if c["selection_fraction"] == 0.25]
+    checks = {
+        "dense_pct_peak": [c["pct_peak"] for c in big],
+        "sparse_over_dense_gbs": ratios,
+        "sparse_25_speedup_vs_sdpa_full": quarter,
+        "graph_step_over_bound": graph and graph["over_bound"],
+    }
+    t = TARGETS
+    met = {
+        "dense_pct_peak": bool(big) and min(checks["dense_pct_peak"]) >= t["dense_pct_peak_min"],
+        "sparse_over_dense_gbs": bool(ratios) and min(ratios) >= t["sparse_over_dense_gbs_min"],
+        "sparse_25_speedup_vs_sdpa_full": bool(quarter) and min(quarter) >= t["sparse_25_speedup_vs_sdpa_full_min"],
+        "graph_step_over_bound": graph is not None and graph["over_bound"] <= t["graph_step_over_bound_max"],
+    }
+    return {"thresholds": TARGETS, "measured": checks, "met": met}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768] if cuda else [4096, 16384])
+    parser.add_argument("--batch", type=int, nargs="+", default=[8] if cuda else [2])
+    parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25, 0.125])
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    parser.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth (default: looked up)")
+    parser.add_argument("--graph-layers", type=int, default=30, help="CUDA only; 0 skips the graph step")
+    parser.add_argument("--repeats", type=int, default=11, help="timed runs per measurement on CPU")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    args.device = torch.device("cuda" if cuda else "cpu")
+    args.dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name(args.device) if cuda else "cpu"
+    out = args.out or Path(f"benchmarks/results/kernels_{re.sub(r'[^a-z0-9]+', '_', name.lower()).strip('_')}.json")
+    peak, source = peak_bandwidth(args.device, args.peak_gbs)
+    backend = make_backend("auto")
+    label = "triton (fused paged decode)" if cuda else "torch reference (no CUDA)"
+    print(f"{name}: {label}, peak {peak:.0f} GB/s ({source})")
+    ms = timer(args.device, args.repeats)
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        one_case(args, ms, backend, tokens, batch, fraction, peak, gen)
+        for tokens in args.tokens
+        for batch in args.batch
+        for fraction in args.fractions
+    ]
+    graph = None
+    if cuda and args.graph_layers:
+        graph = graph_step(args, ms, backend, args.tokens[0], args.batch[0], peak, gen)
+    meta = run_metadata(args.threads)
+    meta["machine"]["device"] = name
+    meta["machine"]["load_average_1m_at_end"] = os.getloadavg()[0]  # other work on the box inflates CPU timings
+    result = {
+        "benchmark": "kernels",
+        "command": " ".join(["python", *sys.argv]),
+        **meta,
+        "device": name,
+        "backend": label,
+        "peak_gbs": peak,
+        "peak_source": source,
+        "config": {"shards": SHARDS, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                   "page_size": args.page_size, "dtype": str(args.dtype).removeprefix("torch."),
+                   "selection": "random fraction of each (row, KV head)'s pages, all full",
+                   "bytes_read": "K + V of the pages read + pos/valid (5 B per slot) + 8 B per table entry"},
+        "cases": cases,
+        "graph_step": graph,
+        "targets": check_targets(cases, graph) if cuda else "GPU targets not evaluated: no CUDA (torch path timed)",
+    }  # fmt: skip
+    write_result(out, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""``TritonBackend``: the fused paged decode kernel (``pikv_hf.kernels.decode``) behind the attention-backend seam,
+and the dispatch a ``PiKVCache`` uses by default: Triton for stores on CUDA when triton is installed, the torch
+reference elsewhere.
+
+The kernel reads K/V in place through the page table: an exact read passes every run's pages with ``n_pages`` as
+the row lengths (splits then divide the pages in use), a sparse plan passes its pages and ``page_full``. The
+calls it makes read only shapes, so the attention of a decode step does not synchronise with the host (the read
+policies still do, see their code). Attention mass (``want_mass``), per-group partials (``groups > 1``), codecs
+other than identity and chunks of more than ``max_queries`` tokens (prefill: the kernel is built for a few query
+rows per KV head) use the inherited torch path. Kernels are imported at the first Triton call, so whether they
+run interpreted (``TRITON_INTERPRET=1``, CPU) is decided then.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+import torch
+
+from pikv_hf.attention.backend import Partial, TorchBackend
+from pikv_hf.read.plan import ReadPlan
+from pikv_hf.store import PagedStore
+
+HAVE_TRITON = find_spec("triton") is not None
+
+
+def _frame_pages(store: PagedStore) -> torch.Tensor:
+    """``[B, H, W]`` global ids of every run's frame pages; uniform runs take ``W`` from the pool's shape (no host
+    sync), ragged ones from ``PageTable.width`` (one)."""
+    t = store.table
+    if not t.uniform:
+        return t.pages()
+    b, h = store.batch, store.heads
+    width = store.pool.num_pages // (b * h) if b * h else 0
+    return t.pages(torch.arange(width, device=store.device).expand(b, h, width))
+
+
+def _plan_lengths(pages: torch.Tensor) -> torch.Tensor:
+    """``[B, H]`` one past the last page entry of each row (``-1`` padding after it is not read)."""
+    rank = torch.arange(1, pages.shape[-1] + 1, device=pages.device)
+    return torch.where(pages >= 0, rank, 0).amax(-1) if pages.shape[-1] else pages.new_zeros(pages.shape[:2])
+
+
+class TritonBackend(TorchBackend):
+    """Fused Triton decode attention where it applies, the torch reference (inherited) elsewhere."""
+
+    name = "triton"
+    max_queries = 16
+
+    def fused(self, store: PagedStore, queries: int, groups: int, want_mass: bool) -> bool:
+        """Whether :meth:`attend` runs the kernel for a call with ``queries`` query tokens."""
+        return queries <= self.max_queries and not want_mass and groups == 1 and store.kv_fields == ("keys", "values")
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        store: PagedStore,
+        plan: ReadPlan,
+        qpos: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        groups: int = 1,
+        want_mass: bool = False,
+        count: bool = False,
+    ) -> Partial:
+        """As :meth:`TorchBackend.attend`; ``attended`` (with ``count``) is computed by the kernel."""
+        if not self.fused(store, query.shape[2], groups, want_mass):
+            return super().attend(query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count)
+        from pikv_hf.kernels.decode import decode_attention
+
+        pool = store.pool
+        if plan.exact:
+            pages, lengths = _frame_pages(store), store.table.n_pages
+        else:
+            pages = store.table.pages(plan.pages)
+            lengths = _plan_lengths(pages)
+        attended = torch.empty(store.batch, store.heads, dtype=torch.int64, device=store.device) if count else None
+        o, lse = decode_attention(
+            query, pool["keys"], pool["values"], pool["pos"], pool["valid"], pages, qpos, scale,
+            page_full=plan.page_full, n_sink=plan.n_sink, window=plan.window, row_start=plan.row_start,
+            lengths=lengths, sliding_window=sliding_window, sinks=sinks, attended=attended, check=False,
+        )  # fmt: skip
+        return Partial(o, lse, attended=attended)
+
+
+class AutoBackend(TritonBackend):
+    """The default: :class:`TritonBackend` for stores on CUDA when triton is installed, the torch reference
+    otherwise (CPU, or no triton)."""
+
+    name = "auto"
+
+    def fused(self, store: PagedStore, queries: int, groups: int, want_mass: bool) -> bool:
+        return HAVE_TRITON and store.device.type == "cuda" and super().fused(store, queries, groups, want_mass)
+
+
+BACKENDS = {"auto": AutoBackend, "torch": TorchBackend, "triton": TritonBackend}
+
+
+def make_backend(name: str = "auto") -> TorchBackend:
+    """The attention backend called ``name``: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or
+    ``"triton"`` (also on CPU tensors, where it needs ``TRITON_INTERPRET=1``)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {tuple(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]()

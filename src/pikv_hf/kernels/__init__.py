@@ -1,0 +1,26 @@
+"""Triton kernels of the paged store, each next to its torch reference (``triton`` is the optional extra
+``kernels``; without it the references still work and launching a kernel raises):
+
+* ``gather``: selected pool pages into one contiguous buffer (``gather_pages``, ``gather_pages_reference``);
+* ``decode``: fused paged decode attention, GQA, split-KV partials merged by log-sum-exp (``decode_attention``,
+  ``decode_attention_reference``);
+* ``decode_quant``: the same over int4 / int8 pages dequantised in registers (``decode_attention_quant``), with the
+  page layout's torch ``quantize_pages`` / ``dequantize_pages``.
+
+The attention backend that dispatches to them is ``pikv_hf.attention.triton_backend``.
+"""
+
+from pikv_hf.kernels.decode import decode_attention, decode_attention_reference
+from pikv_hf.kernels.decode_quant import QuantPages, decode_attention_quant, dequantize_pages, quantize_pages
+from pikv_hf.kernels.gather import gather_pages, gather_pages_reference
+
+__all__ = [
+    "QuantPages",
+    "decode_attention",
+    "decode_attention_quant",
+    "decode_attention_reference",
+    "dequantize_pages",
+    "gather_pages",
+    "gather_pages_reference",
+    "quantize_pages",
+]

@@ -1,0 +1,57 @@
+"""Triton, imported once and optionally: kernels are defined whether or not it is installed, and launching one
+without it raises a clear error (``pip install pikv_hf[kernels]``), so the torch references next to them work
+everywhere.
+
+Interpret mode (``TRITON_INTERPRET=1``) is fixed when a kernel is *decorated*, i.e. when its module is first
+imported: set it before importing ``pikv_hf.kernels`` (the test-suite's ``conftest.py`` does) to run the kernels
+on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # optional dependency: the references and the torch backend do not need it
+    triton = tl = InterpretedFunction = None  # kernel modules use postponed annotations: ``tl`` is read only at launch
+
+HAVE_TRITON = triton is not None
+
+
+class _MissingTriton:
+    """Stands in for a kernel when triton is not installed; launching it raises."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.__name__ = fn.__name__
+
+    def __getitem__(self, grid: Any) -> Callable:
+        raise RuntimeError(
+            f"kernel {self.__name__} needs triton, which is not installed (pip install pikv_hf[kernels])"
+        )
+
+
+def jit(fn: Callable) -> Any:
+    """``triton.jit`` when triton is installed, else a stand-in that raises when launched."""
+    return triton.jit(fn) if HAVE_TRITON else _MissingTriton(fn)
+
+
+def interpreted(kernel: Any) -> bool:
+    """Whether ``kernel`` was decorated in interpret mode (it then runs on CPU tensors)."""
+    return InterpretedFunction is not None and isinstance(kernel, InterpretedFunction)
+
+
+def check_launchable(kernel: Any, device: torch.device) -> None:
+    """Raise before launch if ``kernel`` cannot run on tensors of ``device``."""
+    if not HAVE_TRITON:
+        raise RuntimeError("the Triton kernels need triton, which is not installed (pip install pikv_hf[kernels])")
+    if device.type != "cuda" and not interpreted(kernel):
+        raise RuntimeError(
+            f"Triton kernels run on CUDA tensors, got {device}; for CPU set TRITON_INTERPRET=1 before pikv_hf.kernels "
+            "is first imported (correctness only, slow) or use the torch reference"
+        )

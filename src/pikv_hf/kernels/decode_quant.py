@@ -1,0 +1,216 @@
+"""Fused paged decode attention over quantised pages: int4 / int8 codes dequantised in registers, with the torch
+``quantize_pages`` / ``dequantize_pages`` that define the layout.
+
+Page layout (the compression codec stores exactly this), bits ``b`` in {4, 8}, ``N`` pages of ``P`` slots:
+
+==========  =========================  =======  ==========================================================
+field       shape                      dtype    meaning
+==========  =========================  =======  ==========================================================
+kq          ``[N, P, Dk * b // 8]``    uint8    key codes: channel ``c`` of a slot in byte ``c // (8 // b)``
+                                                at bit offset ``(c % (8 // b)) * b`` (low bits first)
+k_scale     ``[N, Dk]``                float32  per page and channel (KIVI: keys per channel, the page's
+k_zero      ``[N, Dk]``                float32  ``P`` tokens being the group)
+vq          ``[N, P, Dv * b // 8]``    uint8    value codes, packed as the keys
+v_scale     ``[N, P, Dv // G]``        float32  per token, groups of ``G`` channels
+v_zero      ``[N, P, Dv // G]``        float32
+==========  =========================  =======  ==========================================================
+
+Dequantised: ``k[n, t, c] = code * k_scale[n, c] + k_zero[n, c]`` and
+``v[n, t, c] = code * v_scale[n, t, c // G] + v_zero[n, t, c // G]`` (asymmetric: ``zero`` is the range minimum,
+``scale = (max - min) / (2**b - 1)``). The kernel is ``decode.py``'s split kernel with the dequantising K/V loads
+of :func:`load_quant_kv`; its torch reference is ``decode_attention_reference(query, *dequantize_pages(quant), ...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pikv_hf.kernels._host import expect
+from pikv_hf.kernels._triton import jit, tl
+from pikv_hf.kernels.decode import prepare_split_launch
+
+BITS = (4, 8)
+QUANT_FIELDS = ("kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero")
+
+
+@dataclass
+class QuantPages:
+    """Quantised keys and values of ``N`` pages in the layout of the module docstring."""
+
+    kq: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    vq: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    bits: int
+
+    @property
+    def v_dim(self) -> int:
+        return self.vq.shape[-1] * 8 // self.bits
+
+    @property
+    def group(self) -> int:
+        return self.v_dim // self.v_scale.shape[-1]
+
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, name) for name in QUANT_FIELDS)
+
+
+# ---------------------------------------------------------------------------------------------- torch layout
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., D]`` integer codes in ``[0, 2**bits)`` -> ``[..., D * bits // 8]`` uint8, low bits first."""
+    per = 8 // bits
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
+    grouped = codes.to(torch.int32).view(*codes.shape[:-1], codes.shape[-1] // per, per)
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`_pack`: ``[..., B]`` uint8 -> ``[..., B * 8 // bits]`` float32 codes."""
+    shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2).float()
+
+
+def _affine(
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` on the ``2**bits`` levels spanning ``[lo, hi]`` (``x`` reduced over ``dim``) and the level
+    spacing (the shape of ``lo``)."""
+    levels = (1 << bits) - 1
+    scale = (hi - lo) / levels
+    step = torch.where(scale > 0, scale, 1.0).unsqueeze(dim)
+    return torch.round((x - lo.unsqueeze(dim)) / step).clamp(0, levels), scale
+
+
+def quantize_pages(
+    keys: torch.Tensor, values: torch.Tensor, bits: int, group: int, valid: torch.Tensor | None = None
+) -> QuantPages:
+    """Quantise pages of keys (per page and channel) and values (per token, groups of ``group`` channels).
+
+    Parameters
+    ----------
+    keys, values : torch.Tensor
+        ``[N, P, Dk]`` and ``[N, P, Dv]`` floats; ``Dk`` and ``Dv`` multiples of ``8 // bits``, ``Dv`` of
+        ``group``.
+    bits : int
+        4 or 8.
+    group : int
+        Value channels per scale.
+    valid : torch.Tensor, optional
+        ``[N, P]`` bool: only valid slots set a page's key range (empty slots then decode to the range minimum).
+
+    Returns
+    -------
+    QuantPages
+        The fields of the module docstring.
+    """
+    _check_bits(bits)
+    n, p, dk = keys.shape
+    dv = values.shape[-1]
+    per = 8 // bits
+    if dk % per or dv % per or dv % group:
+        raise ValueError(f"Dk ({dk}) and Dv ({dv}) must be multiples of {per} and Dv of group ({group})")
+    k = keys.float()
+    ok = torch.ones(n, p, dtype=torch.bool, device=keys.device) if valid is None else valid
+    lo = k.masked_fill(~ok.unsqueeze(-1), float("inf")).amin(1)
+    hi = k.masked_fill(~ok.unsqueeze(-1), float("-inf")).amax(1)
+    empty = ~ok.any(1, keepdim=True)  # pages with no valid slot: a zero range
+    lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    k_codes, k_scale = _affine(k, lo, hi, bits, 1)
+    v = values.float().view(n, p, dv // group, group)
+    v_lo, v_hi = v.amin(-1), v.amax(-1)
+    v_codes, v_scale = _affine(v, v_lo, v_hi, bits, -1)
+    return QuantPages(_pack(k_codes, bits), k_scale, lo, _pack(v_codes.view(n, p, dv), bits), v_scale, v_lo, bits)
+
+
+def dequantize_pages(quant: QuantPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 keys ``[N, P, Dk]`` and values ``[N, P, Dv]`` of quantised pages (the kernel's loads, in torch)."""
+    _check_bits(quant.bits)
+    keys = _unpack(quant.kq, quant.bits) * quant.k_scale.unsqueeze(1) + quant.k_zero.unsqueeze(1)
+    n, p, _ = quant.vq.shape
+    codes = _unpack(quant.vq, quant.bits).view(n, p, -1, quant.group)
+    values = codes * quant.v_scale.unsqueeze(-1) + quant.v_zero.unsqueeze(-1)
+    return keys, values.view(n, p, quant.v_dim)
+
+
+# ---------------------------------------------------------------------------------------------- kernel
+@jit
+def _codes(codes_ptr, slot, c, mask, BYTES: tl.constexpr, BITS: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` float32 codes of channels ``c`` of flat slots ``slot``."""
+    byte = tl.load(codes_ptr + slot[:, None] * BYTES + (c // (8 // BITS))[None, :], mask=mask, other=0)
+    return ((byte.to(tl.int32) >> ((c % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+
+
+@jit
+def load_quant_kv(
+    kv,
+    page,
+    slot,
+    dk,
+    dv,
+    k_mask,
+    v_mask,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """The split kernel's ``LOAD_KV`` for quantised pages ``kv = (kq, k_scale, k_zero, vq, v_scale, v_zero)``:
+    float32 keys ``[BLOCK_N, BLOCK_DK]`` and values ``[BLOCK_N, BLOCK_DV]`` dequantised in registers."""
+    k_at = page[:, None] * DK + dk[None, :]  # per page and channel
+    k = _codes(kv[0], slot, dk, k_mask, DK * BITS // 8, BITS) * tl.load(kv[1] + k_at, mask=k_mask, other=0.0)
+    k += tl.load(kv[2] + k_at, mask=k_mask, other=0.0)
+    v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]  # per token and group of channels
+    v = _codes(kv[3], slot, dv, v_mask, DV * BITS // 8, BITS) * tl.load(kv[4] + v_at, mask=v_mask, other=0.0)
+    return k, v + tl.load(kv[5] + v_at, mask=v_mask, other=0.0)
+
+
+def decode_attention_quant(
+    query: torch.Tensor,
+    quant: QuantPages,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    pages: torch.Tensor,
+    qpos: torch.Tensor,
+    scale: float,
+    page_full: torch.Tensor | None = None,
+    n_sink: int = 0,
+    window: int = 0,
+    row_start: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    attended: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pikv_hf.kernels.decode.decode_attention` over quantised pages ``quant`` (contiguous fields in the
+    layout of the module docstring, on the query's device) in place of ``keys`` / ``values``; the other arguments
+    and the result are the same."""
+    _check_bits(quant.bits)
+    launch = prepare_split_launch(
+        query, pos, valid, pages, qpos, scale, quant.v_dim, page_full, n_sink, window, row_start, lengths,
+        sliding_window, sinks, attended, num_splits, check, keys_16bit=False,
+    )  # fmt: skip
+    n, p = pos.shape
+    dk, dv, dev = query.shape[-1], quant.v_dim, query.device
+    f32 = (torch.float32,)
+    expect("kq", quant.kq, (n, p, dk * quant.bits // 8), (torch.uint8,), dev)
+    expect("k_scale", quant.k_scale, (n, dk), f32, dev)
+    expect("k_zero", quant.k_zero, (n, dk), f32, dev)
+    expect("vq", quant.vq, (n, p, None), (torch.uint8,), dev)
+    if not quant.v_scale.dim() or not quant.v_scale.shape[-1] or dv % quant.v_scale.shape[-1]:
+        raise ValueError(f"v_scale must be [N, P, Dv // G] with G dividing Dv = {dv}; got {list(quant.v_scale.shape)}")
+    expect("v_scale", quant.v_scale, (n, p, dv // quant.group), f32, dev)
+    expect("v_zero", quant.v_zero, (n, p, dv // quant.group), f32, dev)
+    launch.launch(quant.fields(), load_quant_kv, quant.bits, quant.group)
+    return launch.merge(sinks, attended)
