@@ -15,12 +15,14 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
-from pikv_hf.attention import Partial, TorchBackend, allowed_mask
+from pikv_hf.attention import Partial, TorchBackend, allowed_mask, merge_partials, sink_partial
+from pikv_hf.codecs import Codec
 from pikv_hf.config import ReadConfig
 from pikv_hf.constants import ATTN_IMPLEMENTATION
 from pikv_hf.read import ReadPlan, RoutingStats, make_policy, sink_or_recent
 from pikv_hf.routing import Placement, PlacementContext
 from pikv_hf.store import PagedStore
+from pikv_hf.store.group import StoreGroup
 from pikv_hf.view import DenseView, dense_view, match_rows, prefix_length
 
 
@@ -141,6 +143,7 @@ class PiKVLayer(CacheLayerMixin):
         self._seen = 0  # tokens seen by this layer, pads included (a tensor, _seen_t, in compileable mode)
         self._seen_t: torch.Tensor | None = None
         self.partition = partition
+        self.tiers: dict[str, PagedStore] = {}  # cold tiers (offloaded, compressed tokens): every token in one store
         self.evicted: torch.Tensor | None = None  # [B, H] tokens evicted per (row, KV head); crop is not eviction
         self._min_evicted = 0  # evicted.min(), kept as a Python int so that mask sizes need no device sync
         self.row_start: torch.Tensor | None = None  # [B] position of each row's first real token
@@ -290,6 +293,7 @@ class PiKVLayer(CacheLayerMixin):
             and sinks is None
             and self.shard_groups == 1
             and not self.track_stats
+            and not self.tiers
         ):
             # First chunk into an empty layer, no padding: the stored tokens are exactly these, in order, so causal
             # attention over them is the same computation; SDPA's fused causal kernel skips the O(q^2) mask.
@@ -299,19 +303,51 @@ class PiKVLayer(CacheLayerMixin):
         if q == 1 and self.read.sparse:
             part = self._attend_sparse(query, scale, sliding_window, sinks)
         else:
-            part = self.backend.attend(
-                query,
-                st,
-                ReadPlan(),
-                self._last_qpos,
-                scale,
-                sliding_window,
-                sinks,
-                self.shard_groups,
-                self.track_stats,
-            )
+            part = self._read(query, [ReadPlan()] * (1 + len(self.tiers)), scale, sliding_window, sinks)
             self._record_stats(part, query.shape[1] // st.heads * q)
         return part.o.transpose(1, 2).to(query.dtype)
+
+    def stores(self) -> list[PagedStore]:
+        """The hot store (where new tokens arrive), then the cold tiers."""
+        return [self.store, *self.tiers.values()]
+
+    def _read(
+        self,
+        query: torch.Tensor,
+        plans: list[ReadPlan],
+        scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+        count: bool = False,
+    ) -> Partial:
+        """One partial per store and plan, merged exactly; with ``track_stats`` the hot store's slot masses (over
+        the hot store's own partial when tiers exist: a tier's tokens are not tracked while they sit there)."""
+        if not self.tiers:
+            return self.backend.attend(
+                query, self.store, plans[0], self._last_qpos, scale, sliding_window, sinks, self.shard_groups,
+                self.track_stats, count,
+            )  # fmt: skip
+        d = self.store.device
+        parts = [
+            self.backend.attend(
+                query.to(s.device),
+                s,
+                plan,
+                self._last_qpos.to(s.device),
+                scale,
+                sliding_window,
+                None,
+                self.shard_groups,
+                self.track_stats and s is self.store,
+                count,
+            )  # fmt: skip
+            for s, plan in zip(self.stores(), plans, strict=True)
+        ]
+        o, lse = merge_partials([(p.o.to(d), p.lse.to(d)) for p in parts])
+        if sinks is not None:
+            o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
+        attended = sum(p.attended.to(d) for p in parts) if count else None
+        return Partial(o, lse, parts[0].mass, parts[0].slots, attended)
 
     def _row_start(self) -> torch.Tensor:
         if self.row_start is None:
@@ -327,20 +363,22 @@ class PiKVLayer(CacheLayerMixin):
         h, p = st.heads, st.page_size
         qg = query.reshape(b, h, hq // h * q, dk)
         row_start = self._row_start()
-        plan = self.policy.plan(st, qg, scale, int(self._last_qpos[-1]), row_start)
-        part = self.backend.attend(
-            query, st, plan, self._last_qpos, scale, sliding_window, sinks, want_mass=self.track_stats, count=True
-        )
+        plans = self.policy.plans(StoreGroup(self.stores()), qg, scale, int(self._last_qpos[-1]), row_start)
+        plan = plans[0]
+        part = self._read(query, plans, scale, sliding_window, sinks, count=True)
         self._record_stats(part, hq // h * q)
-        n_read = st.table.n_pages if plan.exact else (plan.pages >= 0).sum(-1)
         stats = self.routing_stats
         stats.steps += 1
         stats.heads += b * h
         stats.tokens_attended += int(part.attended.sum())
-        stats.tokens_stored += int(st.stats.count.sum())
-        stats.pages_gathered += int(n_read.sum())
-        stats.pages_stored += int(st.table.n_pages.sum())
-        stats.slots_gathered += int(n_read.sum()) * p
+        for store, read in zip(self.stores(), plans, strict=True):
+            n_read = int((store.table.n_pages if read.exact else (read.pages >= 0).sum(-1)).sum())
+            stats.tokens_stored += int(store.stats.count.sum())
+            stats.pages_gathered += n_read
+            stats.pages_stored += int(store.table.n_pages.sum())
+            stats.slots_gathered += n_read * p
+            if store.device != st.device:  # pages brought back from an offload tier
+                stats.bytes_fetched += n_read * store.pool.nbytes(store.kv_fields) // max(1, store.pool.num_pages)
         learn = self.policy.learns() and stats.steps % cfg.reward_every == 0
         if cfg.measure_recall or learn:
             recall = self._recall(query, scale, sliding_window, sinks, plan, row_start)
@@ -360,6 +398,11 @@ class PiKVLayer(CacheLayerMixin):
         row_start: torch.Tensor,
     ) -> torch.Tensor:
         """``[B, H]`` fraction of exact attention's probability mass on the tokens ``plan`` lets the query read."""
+        if self.tiers:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: recall (measure_recall, learning selectors) is measured on the hot store "
+                "only, and this layer holds tokens in tiers"
+            )
         st, p = self.store, self.store.page_size
         exact = self.backend.attend(
             query, st, ReadPlan(), self._last_qpos, scale, sliding_window, sinks, want_mass=True
@@ -399,10 +442,10 @@ class PiKVLayer(CacheLayerMixin):
         """The position-ordered copy of the stored tokens (taken once per write; None before the first update)."""
         if self.store is None:
             return None
-        if self.partition is not None:
+        if self.partition is not None or self.tiers:
             raise RuntimeError(
-                f"layer {self.layer_idx}: a partitioned cache has no dense keys / values view (its tokens live on "
-                "several devices or ranks)"
+                f"layer {self.layer_idx}: this layer keeps tokens in several stores (partitions on other devices or "
+                f"ranks, or tiers: {', '.join(self.tiers) or 'none'}), so it has no dense keys / values view"
             )
         self._flush_pending()
         return self._snapshot()
@@ -565,6 +608,44 @@ class PiKVLayer(CacheLayerMixin):
         self._min_evicted = int(self.evicted.min())
         self._fresh_kv = None
 
+    def tier(self, name: str, codec: Codec | None = None, device: torch.device | str | None = None) -> PagedStore:
+        """The cold tier ``name``, created on first use as an empty store like the hot one, with ``codec`` (default
+        identity) on ``device`` (default the layer's)."""
+        if name not in self.tiers:
+            st = self.store
+            if st is None:
+                raise RuntimeError(f"layer {self.layer_idx}: a tier is made after the first update")
+            self.tiers[name] = PagedStore(
+                st.batch, st.heads, st.k_dim, st.v_dim, st.num_shards, st.page_size, st.dtype,
+                torch.device(device) if device is not None else st.device, codec=codec,
+            )  # fmt: skip
+        return self.tiers[name]
+
+    def move_to_tier(self, name: str, keep: torch.Tensor) -> torch.Tensor:
+        """Move the hot store's valid tokens where ``keep`` (``[B, H, W * P]`` over its frame) is False to the tier
+        ``name`` (see :meth:`tier`), with their shard and position; returns ``[B, H]`` tokens moved. Nothing is
+        evicted: attention still reads them, from the tier. Their per-slot statistics start over there."""
+        st = self.store
+        frame = (st.batch, st.heads, st.table.width() * st.page_size)
+        if tuple(keep.shape) != frame or keep.dtype != torch.bool:
+            raise ValueError(f"keep must be a bool tensor of shape {frame}, got {keep.dtype} {tuple(keep.shape)}")
+        tier = self.tier(name)
+        move = st.frame("valid") & ~keep.to(st.device)
+        n = move.sum(-1)
+        if not bool(n.any()):
+            return n
+        pos = st.frame("pos").to(torch.int64)
+        order = torch.where(move, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)[..., : int(n.max())]
+        present = torch.arange(order.shape[-1], device=st.device) < n.unsqueeze(-1)
+        keys, values = st.frame_kv()
+        take = lambda t: t.gather(2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))  # noqa: E731
+        shard = st.frame("shard").long().repeat_interleave(st.page_size, dim=-1).gather(2, order).clamp(min=0)
+        d = tier.device
+        tier.append(take(keys).to(d), take(values).to(d), shard.to(d), pos.gather(2, order).to(d), present.to(d))
+        self._touch()
+        st.retain(keep.to(st.device) | ~st.frame("valid"))
+        return n
+
     def min_evicted(self) -> int:
         """Fewest tokens evicted from any (row, KV head)."""
         return self._min_evicted
@@ -592,6 +673,7 @@ class PiKVLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.store = None
+        self.tiers = {}
         self.backend.reset()  # shared with the other layers, which are reset too: frees the gather scratch
         self.is_initialized = False
         self._seen, self._seen_t, self._min_evicted = 0, None, 0
@@ -617,6 +699,8 @@ class PiKVLayer(CacheLayerMixin):
         max_length = max(max_length, 0)
         self._touch()
         removed = self.store.retain(self.store.frame("pos") < max_length)
+        for tier in self.tiers.values():
+            removed += tier.retain(tier.frame("pos") < max_length).to(removed.device)
         self.evicted -= (self.seen - max_length) - removed  # cut positions that were evicted, not stored
         self._min_evicted = int(self.evicted.min())
         self.seen = max_length
@@ -629,6 +713,8 @@ class PiKVLayer(CacheLayerMixin):
             index = index.to(self.device)
             self._touch()
             self.store.index_batch(index)
+            for tier in self.tiers.values():
+                tier.index_batch(index.to(tier.device))
             self.placement.index_batch(index)
             self.policy.index_batch(index)
             self.evicted = self.evicted.index_select(0, index)
@@ -651,13 +737,26 @@ class PiKVLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ introspection
     def tokens_per_shard(self) -> torch.Tensor:
-        """``[B, H_kv, S]`` valid tokens stored per shard (zeros before the first update)."""
+        """``[B, H_kv, S]`` valid tokens stored per shard, over the hot store and its tiers (zeros before the first
+        update)."""
         if self.store is None:
             return torch.zeros(0, 0, self.num_shards, dtype=torch.int64)
-        return self.store.tokens_per_shard()
+        if self.partition is not None:
+            return self.store.tokens_per_shard()
+        return StoreGroup(self.stores()).tokens_per_shard()
 
     def kv_nbytes(self) -> int:
-        return 0 if self.store is None else self.store.kv_nbytes()
+        """Key/value bytes allocated on the layer's device (the hot store and tiers that live there)."""
+        if self.store is None:
+            return 0
+        return sum(s.kv_nbytes() for s in self._stores_where(True))
+
+    def offloaded_nbytes(self) -> int:
+        """Key/value bytes held by tiers on another device (offloaded)."""
+        return 0 if self.store is None else sum(s.kv_nbytes() for s in self._stores_where(False))
 
     def meta_nbytes(self) -> int:
-        return 0 if self.store is None else self.store.meta_nbytes()
+        return 0 if self.store is None else sum(s.meta_nbytes() for s in [self.store, *self.tiers.values()])
+
+    def _stores_where(self, on_device: bool) -> list:
+        return [s for s in [self.store, *self.tiers.values()] if (s.device == self.store.device) == on_device]

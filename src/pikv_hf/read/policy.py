@@ -12,6 +12,7 @@ import torch
 from pikv_hf.config import ReadConfig
 from pikv_hf.read.plan import ReadPlan, sink_or_recent
 from pikv_hf.store import PagedStore
+from pikv_hf.store.group import StoreGroup
 
 
 class ExactRead:
@@ -24,6 +25,17 @@ class ExactRead:
         self, store: PagedStore, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
     ) -> ReadPlan:
         return ReadPlan()
+
+    def plans(
+        self,
+        group: StoreGroup,
+        qg: torch.Tensor,
+        scale: float,
+        qpos_last: int,
+        row_start: torch.Tensor,
+    ) -> list[ReadPlan]:
+        """One plan per store of ``group`` (the hot store first, then its tiers)."""
+        return [self.plan(s, qg.to(s.device), scale, qpos_last, row_start.to(s.device)) for s in group.stores]
 
     def learns(self) -> bool:
         return False

@@ -12,6 +12,7 @@ from pikv_hf.routing import Selector, make_selector
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.routing.scores import estimated_mass
 from pikv_hf.store import PagedStore
+from pikv_hf.store.group import StoreGroup
 
 
 class RoutedRead(ExactRead):
@@ -28,6 +29,13 @@ class RoutedRead(ExactRead):
         self, store: PagedStore, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
     ) -> ReadPlan:
         return self.read_shards(store, self.choose(store, qg, scale), qpos_last, row_start)
+
+    def plans(
+        self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
+    ) -> list[ReadPlan]:
+        """Shards chosen once from the statistics of every store, then read from each store that holds them."""
+        chosen = self.choose(group, qg, scale)
+        return [self.read_shards(s, chosen.to(s.device), qpos_last, row_start.to(s.device)) for s in group.stores]
 
     def choose(self, store: PagedStore, qg: torch.Tensor, scale: float) -> torch.Tensor:
         """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) select from ``store.summary``.
@@ -46,8 +54,8 @@ class RoutedRead(ExactRead):
             covered = estimated_mass(qg, summary, scale).gather(2, selected).cumsum(-1)
             keep[..., 1:] = covered[..., :-1] < cfg.mass_target
         chosen = torch.zeros(b, h, s, dtype=torch.bool, device=store.device).scatter_(2, selected, keep)
-        if self.shard_evicted is not None:
-            self.misses += (chosen & (self.shard_evicted > 0)).long()
+        lost = ~summary.resident if self.shard_evicted is None else (self.shard_evicted > 0) | ~summary.resident
+        self.misses += (chosen & lost).long()  # selected shards that lost tokens to eviction or sit off-device
         self._last = (summary, selected)
         return chosen
 

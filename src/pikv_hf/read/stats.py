@@ -18,6 +18,7 @@ class RoutingStats:
     slots_gathered: int = 0  # pages read x page size
     recall_sum: float = 0.0
     recall_heads: int = 0
+    bytes_fetched: int = 0  # key/value bytes of pages read from tiers on another device (offload)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -28,6 +29,7 @@ class RoutingStats:
             # slots moved (empty slots of partly filled pages included) over the tokens a dense cache would read
             "kv_read_vs_dense": self.slots_gathered / max(1, self.tokens_stored),
             "recall": self.recall_sum / self.recall_heads if self.recall_heads else float("nan"),
+            "bytes_fetched_per_step": self.bytes_fetched / max(1, self.steps),
         }
 
     def add(self, other: RoutingStats) -> None:

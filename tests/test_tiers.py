@@ -1,0 +1,60 @@
+"""Cold tiers: a layer's tokens split over its hot store and tiers attend exactly as if they were in one store."""
+
+import pytest
+import torch
+
+from pikv_hf import PiKVCache
+from pikv_hf.tiny import tiny_config
+
+B, H, G, T, D = 2, 2, 3, 60, 16
+
+
+def _layer(split: bool, seed: int = 0, **kwargs):
+    """A layer-0 cache holding ``T`` random tokens (positions >= 30 moved to a tier when ``split``), plus one new
+    token: (cache, layer, keys, values)."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = tiny_config("llama", num_attention_heads=H * G, num_key_value_heads=H, head_dim=D)
+    cache = PiKVCache(cfg, router="key_cluster", num_shards=4, page_size=4, **kwargs)
+    keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
+    cache.update(keys[:, :, :T], values[:, :, :T], 0)
+    layer = cache.layers[0]
+    if split:
+        st = layer.store
+        moved = layer.move_to_tier("cold", st.frame("valid") & (st.frame("pos") < 30))
+        assert moved.tolist() == [[30, 30], [30, 30]]
+    cache.update(keys[:, :, T:], values[:, :, T:], 0)
+    return cache, layer, keys, values
+
+
+@pytest.mark.parametrize(
+    "read", [{}, dict(attention="routed", top_k_shards=2, n_sink=2, window=4), dict(attention="quest", read_fraction=1)]
+)
+def test_split_layer_attends_as_the_single_store(read):
+    query = torch.randn(B, H * G, 1, D, generator=torch.Generator().manual_seed(9))
+    one, one_layer, keys, values = _layer(False, **read)
+    two, two_layer, _, _ = _layer(True, **read)
+    a = one_layer.attend(query, D**-0.5, None, None, None)
+    b = two_layer.attend(query, D**-0.5, None, None, None)
+    assert (a - b).abs().max() < 1e-5
+    if not read:  # exact: the dense softmax over every token
+        logits = (query.view(B, H, G, D) @ keys.transpose(-1, -2)) * D**-0.5
+        dense = (logits.softmax(-1) @ values).view(B, H * G, D)
+        assert (b[:, 0] - dense).abs().max() < 1e-5
+    assert torch.equal(one.tokens_per_shard(), two.tokens_per_shard())
+    if read.get("attention") == "routed":  # the same shards are chosen from the statistics of both stores together
+        assert one.routing_stats()["overall"]["fraction_tokens_attended"] == pytest.approx(
+            two.routing_stats()["overall"]["fraction_tokens_attended"]
+        )
+
+
+def test_tier_bytes_crop_and_batch_ops_follow_the_tokens():
+    cache, layer, _, _ = _layer(True)
+    tier = layer.tiers["cold"]
+    assert cache.kv_nbytes() == layer.store.kv_nbytes() + tier.kv_nbytes() > 0  # a tier on the same device
+    assert layer.offloaded_nbytes() == 0
+    cache.crop(20)  # positions 30 .. 59 sat in the tier, 0 .. 29 and 60 in the hot store: 20 .. 60 go
+    assert int(tier.tokens_per_shard().sum()) == 0 and int(layer.store.tokens_per_shard().sum()) == B * H * 20
+    cache.batch_select_indices(torch.tensor([1]))
+    assert tier.batch == layer.store.batch == 1
+    with pytest.raises(RuntimeError, match="has no dense keys / values view"):
+        layer.keys  # noqa: B018
