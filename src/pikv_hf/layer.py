@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -450,6 +451,28 @@ class PiKVLayer(CacheLayerMixin):
         self._flush_pending()
         return self._snapshot()
 
+    def frame_mask(self, index: torch.Tensor, mark: torch.Tensor) -> torch.Tensor:
+        """``[B, H, W * P]`` bool over the hot store's frame: True at the valid slots ``index`` (``[B, H, n]``, frame
+        indices, ``-1`` for none) where ``mark`` holds (entries of ``index`` may repeat: any True wins)."""
+        st = self.store
+        hits = torch.zeros(st.batch, st.heads, st.table.width() * st.page_size, dtype=torch.int32, device=st.device)
+        hits.scatter_add_(2, index.clamp(min=0), (mark & (index >= 0)).to(torch.int32))
+        return (hits > 0) & st.frame("valid")
+
+    def view_index(self) -> DenseView:
+        """The dense view's index tensors alone (``frame_index``, ``pos``, ``valid``; keys and values None): what a
+        press needs to turn view scores into a keep mask, without copying the keys and values."""
+        v = self._view
+        if v is not None and v.keys is not None:
+            return v
+        return dense_view(self.store, with_kv=False)
+
+    def view_field(self, name: str, view: DenseView | None = None) -> torch.Tensor:
+        """A slot field of the hot store (e.g. ``attn_mass``) in the order of the dense view (``[B, H, T]``; padding
+        entries read slot 0's value and must be masked by the caller with ``view.pos >= 0``)."""
+        v = view or self.view_index()
+        return self.store.frame(name).gather(2, v.frame_index.clamp(min=0))
+
     def _snapshot(self) -> DenseView:
         v = self._view
         if v is None or v.keys is None:
@@ -528,11 +551,8 @@ class PiKVLayer(CacheLayerMixin):
         if action[0] == "crop":
             self.crop(action[1])
         elif action[0] == "keep":
-            st = self.store
-            keep = torch.zeros(st.batch, st.heads, st.table.width() * st.page_size, dtype=torch.bool, device=st.device)
             index = v.frame_index.gather(2, action[1])
-            keep.scatter_(2, index.clamp(min=0), index >= 0)
-            self.evict(keep & st.frame("valid"))
+            self.evict(self.frame_mask(index, index >= 0))
         module = None if self._module is None else self._module()
         masked = getattr(module, "masked_key_indices", None)
         if masked is not None:  # a head-wise press (AdaKV, DuoAttention, ...) marked tokens in the view it scored
@@ -608,16 +628,22 @@ class PiKVLayer(CacheLayerMixin):
         self._min_evicted = int(self.evicted.min())
         self._fresh_kv = None
 
-    def tier(self, name: str, codec: Codec | None = None, device: torch.device | str | None = None) -> PagedStore:
+    def tier(
+        self,
+        name: str,
+        codec: Codec | None = None,
+        device: torch.device | str | None = None,
+        storage: str | None = None,
+    ) -> PagedStore:
         """The cold tier ``name``, created on first use as an empty store like the hot one, with ``codec`` (default
-        identity) on ``device`` (default the layer's)."""
+        identity) on ``device`` (default the layer's), in ``storage`` (see ``PagePool``)."""
         if name not in self.tiers:
             st = self.store
             if st is None:
                 raise RuntimeError(f"layer {self.layer_idx}: a tier is made after the first update")
             self.tiers[name] = PagedStore(
                 st.batch, st.heads, st.k_dim, st.v_dim, st.num_shards, st.page_size, st.dtype,
-                torch.device(device) if device is not None else st.device, codec=codec,
+                torch.device(device) if device is not None else st.device, codec=codec, storage=storage,
             )  # fmt: skip
         return self.tiers[name]
 
@@ -645,6 +671,17 @@ class PiKVLayer(CacheLayerMixin):
         self._touch()
         st.retain(keep.to(st.device) | ~st.frame("valid"))
         return n
+
+    def offload_tokens(self, keep: torch.Tensor, target: str = "cpu") -> torch.Tensor:
+        """Move the hot store's tokens outside ``keep`` to the offload tier: CPU memory (``"cpu"``, pinned when the
+        layer is on a GPU) or memory-mapped files in a temporary directory (``"disk"``). Returns ``[B, H]`` moved."""
+        if "offload" not in self.tiers:
+            if target == "disk":
+                storage = tempfile.mkdtemp(prefix="pikv-offload-")
+            else:
+                storage = "pinned" if self.store.device.type == "cuda" else None
+            self.tier("offload", device="cpu", storage=storage)
+        return self.move_to_tier("offload", keep)
 
     def min_evicted(self) -> int:
         """Fewest tokens evicted from any (row, KV head)."""

@@ -52,8 +52,9 @@ class DenseView:
         return bool((self.pos == torch.arange(self.pos.shape[-1], device=self.pos.device)).all())
 
 
-def dense_view(store: PagedStore) -> DenseView:
-    """Every occupied slot of ``store`` (valid tokens and stored padding), per (row, head), in position order."""
+def dense_view(store: PagedStore, with_kv: bool = True) -> DenseView:
+    """Every occupied slot of ``store`` (valid tokens and stored padding), per (row, head), in position order
+    (``with_kv=False``: only the index tensors, keys and values left None)."""
     pos = store.frame("pos").to(torch.int64)
     occupied = pos >= 0
     order = torch.where(occupied, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
@@ -61,15 +62,18 @@ def dense_view(store: PagedStore) -> DenseView:
     length = int(n.max()) if n.numel() else 0
     order = order[..., :length]
     ok = torch.arange(length, device=pos.device) < n.unsqueeze(-1)
-    keys, values = store.frame_kv()
+    keys = values = None
+    if with_kv:
+        keys, values = store.frame_kv()
 
-    def take(t: torch.Tensor) -> torch.Tensor:
-        out = t.gather(2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
-        return out.masked_fill_(~ok.unsqueeze(-1), 0)
+        def take(t: torch.Tensor) -> torch.Tensor:
+            out = t.gather(2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
+            return out.masked_fill_(~ok.unsqueeze(-1), 0)
 
+        keys, values = take(keys), take(values)
     return DenseView(
-        keys=take(keys),
-        values=take(values),
+        keys=keys,
+        values=values,
         frame_index=torch.where(ok, order, -1),
         pos=torch.where(ok, pos.gather(2, order), -1),
         valid=store.frame("valid").gather(2, order) & ok,

@@ -7,7 +7,7 @@ page table run lists it (``table.py``). Per slot the pool holds the codec's key/
 pos           int32     the token's sequence position (the layer's token ordinal, pads included); -1: empty
 valid         bool      False for empty slots and padding
 attn_mass     float32   accumulated attention probability (``track_stats``)
-last_access   int32     position of the latest query that hit the slot
+last_access   int32     position of the latest query that hit the slot (its own position until one does)
 hits          int32     queries that gave it more than a uniform share of their mass
 ============  ========  ==========================================================================
 
@@ -59,6 +59,8 @@ class PagedStore:
         How pages hold keys and values (default: identity).
     track_stats : bool
         Hold the per-slot attention statistics (``attn_mass``, ``last_access``, ``hits``).
+    storage : str or None
+        Where a CPU store's pool lives (``PagePool``: ``"pinned"`` or a directory of memory-mapped files).
     """
 
     def __init__(
@@ -73,13 +75,14 @@ class PagedStore:
         device: torch.device,
         codec: Codec | None = None,
         track_stats: bool = False,
+        storage: str | None = None,
     ) -> None:
         self.k_dim, self.v_dim, self.dtype, self.device = int(k_dim), int(v_dim), dtype, device
         self.num_shards, self.page_size = int(num_shards), int(page_size)
         self.codec = codec or IdentityCodec()
         self.kv_fields = tuple(self.codec.fields(self.k_dim, self.v_dim, dtype))
         specs = {**self.codec.fields(self.k_dim, self.v_dim, dtype), **_META_FIELDS}
-        self.pool = PagePool({**specs, **(_STAT_SPECS if track_stats else {})}, page_size, device)
+        self.pool = PagePool({**specs, **(_STAT_SPECS if track_stats else {})}, page_size, device, storage)
         self.table = PageTable(batch, heads, num_shards, page_size, device)
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
         self._sums_stale = False
@@ -178,10 +181,9 @@ class PagedStore:
             self.pool.write(name, flat, t)
         self.pool.write("pos", flat, pos)
         self.pool.write("valid", flat, torch.ones(flat.numel(), dtype=torch.bool, device=self.device))
-        for name in self.stat_fields:
-            self.pool.write(
-                name, flat, torch.zeros(flat.numel(), dtype=self.pool.specs[name].dtype, device=self.device)
-            )
+        for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
+            fresh = pos if name == "last_access" else torch.zeros(flat.numel(), device=self.device)
+            self.pool.write(name, flat, fresh)
         page = flat.div(self.page_size, rounding_mode="floor")
         self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
         self.stats.add(bhs, k)

@@ -13,7 +13,10 @@ tensors are sized to what the caller asks for, so freed pages are really release
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -39,12 +42,20 @@ class PagePool:
         Slots per page ``P``.
     device : torch.device
         Where every field lives.
+    storage : str or None
+        CPU pools only: ``"pinned"`` (page-locked memory, for fast copies to a GPU) or a directory path, where every
+        field is a memory-mapped file (created, mapped and unlinked at once, so nothing is left behind). Default:
+        ordinary memory.
     """
 
-    def __init__(self, specs: dict[str, FieldSpec], page_size: int, device: torch.device) -> None:
+    def __init__(
+        self, specs: dict[str, FieldSpec], page_size: int, device: torch.device, storage: str | None = None
+    ) -> None:
         self.specs = dict(specs)
         self.page_size = int(page_size)
         self.device = device
+        self.storage = storage
+        self._files = 0
         self.fields: dict[str, torch.Tensor] = {name: self._empty(name, 0) for name in self.specs}
 
     @property
@@ -54,7 +65,20 @@ class PagePool:
     def _empty(self, name: str, pages: int) -> torch.Tensor:
         spec = self.specs[name]
         shape = (pages, *spec.shape) if spec.per_page else (pages, self.page_size, *spec.shape)
-        return torch.full(shape, spec.fill, dtype=spec.dtype, device=self.device)
+        if self.storage is None or not math.prod(shape):
+            return torch.full(shape, spec.fill, dtype=spec.dtype, device=self.device)
+        if self.storage == "pinned":
+            return torch.full(shape, spec.fill, dtype=spec.dtype).pin_memory()
+        path = Path(self.storage) / f"{name}-{os.getpid()}-{id(self)}-{self._files}.bin"
+        self._files += 1
+        numel = math.prod(shape)
+        with open(path, "wb") as handle:
+            handle.truncate(numel * torch.empty((), dtype=spec.dtype).element_size())
+        try:
+            mapped = torch.from_file(str(path), shared=True, size=numel, dtype=spec.dtype)
+        finally:
+            path.unlink()  # the mapping keeps the file's blocks until the tensor is freed
+        return mapped.view(shape).fill_(spec.fill)
 
     def add_field(self, name: str, spec: FieldSpec) -> torch.Tensor:
         """Declare one more field (empty on every existing page) and return its tensor."""
@@ -82,10 +106,18 @@ class PagePool:
             new.index_fill_(0, empty, fill)
         return new
 
+    def _into_storage(self, name: str, new: torch.Tensor) -> torch.Tensor:
+        """``new`` placed in this pool's storage (a copy there unless it is ordinary memory)."""
+        if self.storage is None:
+            return new
+        out = self._empty(name, new.shape[0])
+        out.view(-1, *out.shape[1:]).copy_(new.view(-1, *new.shape[1:]))
+        return out
+
     def remap_pages(self, src: torch.Tensor) -> None:
         """Reallocate to ``len(src)`` pages; new page ``i`` is old page ``src[i]`` in every field (empty if ``-1``)."""
         for name, old in self.fields.items():
-            self.fields[name] = self._take(name, old, src)
+            self.fields[name] = self._into_storage(name, self._take(name, old, src))
 
     def remap_slots(self, src: torch.Tensor, page_values: dict[str, torch.Tensor]) -> None:
         """Reallocate to ``len(src) // P`` pages; new slot ``i`` is old flat slot ``src[i]`` in every slot field (empty
@@ -96,7 +128,7 @@ class PagePool:
                 self.fields[name] = page_values[name] if name in page_values else self._empty(name, pages)
             else:
                 new = self._take(name, self.flat(name), src)
-                self.fields[name] = new.view(pages, self.page_size, *spec.shape)
+                self.fields[name] = self._into_storage(name, new.view(pages, self.page_size, *spec.shape))
 
     # ------------------------------------------------------------------ reads and writes
     def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,0 +1,71 @@
+"""Decode-time budgets: keep every layer within a fixed number of tokens while generating."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from kvpress.presses.base_press import is_prefilling
+from kvpress.presses.decoding_press import DecodingPress
+from torch import nn
+
+from pikv_hf.cache import PiKVCache
+from pikv_hf.checks import check_int_at_least
+from pikv_hf.presses.base import drop_or_offload
+
+
+@dataclass
+class DecodingBudgetPress(DecodingPress):
+    """Hold every (row, KV head) of every layer to ``target_size`` tokens during decoding.
+
+    A kvpress ``DecodingPress`` (so kvpress's pipeline keeps it active while answering) around one of pikv_hf's
+    presses (``base_press``: :class:`H2OPress`, :class:`StreamingLLMPress`, :class:`LRUPress`, :class:`LRUPlusPress`,
+    :class:`FlexGenPress`, :class:`AdaKVPress`, ...).
+
+    On a ``PiKVCache`` the layer is cut back to ``target_size`` tokens per (row, KV head) as soon as it holds
+    ``target_size + compression_interval`` (default interval 1: every step, so it never holds more than one token over
+    budget), keeping what ``base_press.decode_keep`` ranks highest from the cache's own statistics, which the
+    attention path updates at every step; nothing is recomputed, and a step costs the same at any sequence length.
+    Dropped tokens move to the offload tier when ``base_press.offload`` is set. On a ``DynamicCache`` it is kvpress's
+    ``DecodingPress``: every ``compression_interval`` steps the base press re-scores the cache with the hidden states
+    of the last steps and compresses it to ``target_size``.
+
+    Parameters
+    ----------
+    base_press : PiKV press
+        Ranks the tokens.
+    target_size : int
+        Tokens kept per (row, KV head) and layer.
+    compression_interval : int
+        Steps (DynamicCache) or tokens over budget (PiKVCache) between two cuts.
+    """
+
+    compression_interval: int = 1
+    target_size: int = 1024
+
+    def __post_init__(self) -> None:
+        check_int_at_least("target_size", self.target_size, 1)
+        check_int_at_least("compression_interval", self.compression_interval, 1)
+        super().__post_init__()
+        n_sink = getattr(self.base_press, "n_sink", 0)
+        if self.target_size <= n_sink:
+            raise ValueError(
+                f"target_size must exceed base_press.n_sink={n_sink} (sinks alone fill it), got {self.target_size}"
+            )
+
+    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        cache = kwargs["past_key_values"]
+        if not isinstance(cache, PiKVCache):
+            return super().forward_hook(module, input, kwargs, output)
+        if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            return output
+        layer = cache.layers[module.layer_idx]
+        per_head = layer.store.stats.count.sum(-1)  # [B, H]
+        if getattr(self.base_press, "budget_per_row", False):  # AdaKV: a row's heads share heads * target_size
+            over = int(per_head.sum(-1).max()) - per_head.shape[1] * self.target_size
+        else:
+            over = int(per_head.max()) - self.target_size
+        if over >= self.compression_interval:
+            keep = self.base_press.decode_keep(layer, self.target_size)
+            drop_or_offload(layer, keep, getattr(self.base_press, "offload", None))
+        return output

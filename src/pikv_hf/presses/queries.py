@@ -1,0 +1,109 @@
+"""The model's own queries, recomputed from a layer's input, and the attention statistics schedulers score with.
+
+kvpress presses that recompute queries skip ``q_norm`` on Qwen3-MoE and OLMoE and so score with wrong queries.
+:func:`model_queries` follows each supported attention module's own query path: ``q_proj``, then ``q_norm`` over the
+whole projection (OLMoE) or per head (Qwen3, Qwen3-MoE), then the model file's own ``apply_rotary_pos_emb`` with the
+layer's ``position_embeddings``. Models whose query path differs (DeepSeek's low-rank MLA queries) are refused with
+a clear error rather than scored wrongly.
+
+:func:`attention_statistics` then computes, for the queries of a prefill, what a cache with ``track_stats`` counts
+during attention: per key, the attention probability it received summed over queries (H2O's accumulated attention),
+the number of queries that *hit* it (gave it more than a uniform share of their mass) and the position of the last
+query that did (LRU's recency).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_SCORE_BUDGET_BYTES = 128 * 2**20  # fp32 probability bytes per query chunk
+
+
+def check_query_path(module: nn.Module) -> None:
+    """``ValueError`` unless :func:`model_queries` follows this attention module's query path."""
+    if not hasattr(module, "q_proj") or hasattr(module, "kv_a_proj_with_mqa") or hasattr(module, "q_a_proj"):
+        raise ValueError(
+            f"{type(module).__name__}: pikv_hf recomputes queries through q_proj (+ q_norm) and RoPE; this attention's "
+            "query path (e.g. DeepSeek's multi-head latent attention) is not supported by query-scoring presses"
+        )
+
+
+def model_queries(
+    module: nn.Module, hidden_states: torch.Tensor, kwargs: dict, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B, Hq, q, D]`` post-RoPE queries of ``module`` for ``hidden_states`` (``[B, q, hidden]``).
+
+    ``kwargs`` are the attention module's forward keyword arguments: their ``position_embeddings = (cos, sin)`` are
+    used when they cover the ``q`` rows; otherwise (e.g. hidden states buffered over decode steps) the rotary
+    embedding is recomputed at ``positions`` (``[q]``) with ``module.rotary_emb``, which kvpress's press context sets.
+    """
+    name = type(module).__name__
+    check_query_path(module)
+    b, q, _ = hidden_states.shape
+    head_dim = module.head_dim
+    states = module.q_proj(hidden_states)
+    norm = getattr(module, "q_norm", None)
+    per_head = norm is not None and norm.weight.numel() == head_dim
+    if norm is not None and not per_head:  # OLMoE normalises the whole projection
+        states = norm(states)
+    states = states.view(b, q, -1, head_dim)
+    if per_head:  # Qwen3 normalises each head
+        states = norm(states)
+    states = states.transpose(1, 2)
+    cos, sin = kwargs["position_embeddings"]
+    if cos.shape[-2] != q:
+        rotary = getattr(module, "rotary_emb", None)
+        if rotary is None or positions is None:
+            raise ValueError(f"{name}: queries of {q} rows need their positions and module.rotary_emb to be rotated")
+        cos, sin = rotary(states, positions.view(1, -1).expand(b, -1))
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    return rotate(states, states, cos, sin)[0]
+
+
+@dataclass
+class AttentionStatistics:
+    """Per key of a prefill (``[B, H, T]``, KV heads): accumulated probability, hits and the last hitting query."""
+
+    mass: torch.Tensor
+    hits: torch.Tensor
+    last_hit: torch.Tensor  # position of the last query that hit the key; -1 if none
+
+
+def attention_statistics(
+    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+) -> AttentionStatistics:
+    """Causal attention statistics of the queries of ``hidden_states`` (``[B, q, hidden]``, the last ``q`` of the
+    ``T`` tokens: the whole prefill, or hidden states buffered over decode steps) over ``keys`` (``[B, H, T, D]``,
+    position-ordered): the query of token ``i`` sees tokens ``0 .. i``; a key is *hit*
+    by it when the probability the query's ``G`` rows give it, summed, exceeds ``G`` over the number of keys the query
+    sees (sliding-window layers see their window). Attention sinks (GPT-OSS ``s_aux``) are not modelled."""
+    t = keys.shape[2]
+    first = t - hidden_states.shape[1]
+    queries = model_queries(module, hidden_states, kwargs, torch.arange(first, t, device=keys.device))  # [B,Hq,q,D]
+    b, hq, n, d = queries.shape
+    h = keys.shape[1]
+    g = hq // h
+    scale = getattr(module, "scaling", d**-0.5)
+    window = getattr(module, "sliding_window", None)
+    mass = torch.zeros(b, h, t, device=keys.device)
+    hits = torch.zeros(b, h, t, dtype=torch.int64, device=keys.device)
+    last = torch.full((b, h, t), -1, dtype=torch.int64, device=keys.device)
+    chunk = max(1, _SCORE_BUDGET_BYTES // max(1, b * hq * t * 4))
+    key_pos = torch.arange(t, device=keys.device)
+    for start in range(0, n, chunk):
+        index = torch.arange(start, min(n, start + chunk), device=keys.device)
+        rows = index + first  # token positions of these queries
+        qc = queries[:, :, index].reshape(b, h, g, len(index), d)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qc.float(), keys.float()) * scale
+        rel = rows.view(-1, 1) - key_pos.view(1, -1)  # [q, T] query - key distance
+        visible = (rel >= 0) & (rel < window) if window else rel >= 0
+        prob = logits.masked_fill(~visible, float("-inf")).softmax(-1).sum(2)  # [B, H, q, T], summed over G
+        mass += prob.sum(2)
+        hit = prob > (g / visible.sum(-1).float()).view(1, 1, -1, 1)
+        hits += hit.sum(2)
+        last = torch.maximum(last, torch.where(hit, rows.view(1, 1, -1, 1), -1).amax(2))
+    return AttentionStatistics(mass=mass, hits=hits, last_hit=last)

@@ -1,0 +1,131 @@
+"""Quest: query-aware page selection at every decode step (selection, not eviction)."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from kvpress.attention_patch import search_hyperplane
+from kvpress.presses.decoding_press import DecodingPress
+from kvpress.presses.scorer_press import ScorerPress
+from torch import nn
+
+from pikv_hf.cache import PiKVCache
+from pikv_hf.checks import check_int_at_least
+from pikv_hf.presses.base import check_ratio
+from pikv_hf.presses.queries import model_queries
+from pikv_hf.routing.expert import decoder_layers
+
+
+def quest_pages(
+    queries: torch.Tensor, keys: torch.Tensor, page_size: int, read_fraction: float, n_sink: int, window: int
+) -> torch.Tensor:
+    """``[B, H, T]`` bool: the cached tokens Quest reads for one decode query (``queries`` ``[B, H, G, D]``, the query
+    heads of each KV head, at position ``T``) over ``keys`` ``[B, H, T, D]`` in position order.
+
+    The ``T + 1`` tokens (the new one included) form pages of ``page_size``; ``ceil(read_fraction * pages)`` are
+    read: first those holding one of the first ``n_sink`` tokens or one of the last ``window`` positions (the new
+    token's page among them), then the pages with the largest upper bound ``max_g sum_d max(q_d min_d, q_d max_d)``
+    of ``q . k``, ties to the earlier page (as a PiKVCache's Quest read ranks its pages).
+    """
+    b, h, t, d = keys.shape
+    n_pages = math.ceil((t + 1) / page_size)
+    padded = torch.nn.functional.pad(keys.float(), (0, 0, 0, n_pages * page_size - t))
+    pages = padded.view(b, h, n_pages, page_size, d)
+    filled = (torch.arange(n_pages * page_size, device=keys.device) < t).view(1, 1, n_pages, page_size, 1)
+    lo = pages.masked_fill(~filled, float("inf")).amin(3)
+    hi = pages.masked_fill(~filled, float("-inf")).amax(3)
+    q = queries.float().unsqueeze(3)  # [B, H, G, 1, D]
+    bound = torch.maximum(q * lo.unsqueeze(2), q * hi.unsqueeze(2)).sum(-1).amax(2)  # [B, H, NP]
+    first = torch.arange(n_pages, device=keys.device) * page_size
+    special = (first < n_sink) | (first + page_size - 1 > t - window)  # a sink, or a position within the window
+    bound = bound.masked_fill(special.view(1, 1, -1), float("inf"))
+    order = bound.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(2, order, torch.arange(n_pages, device=keys.device).expand_as(order))
+    read = rank < math.ceil(read_fraction * n_pages)
+    return read.repeat_interleave(page_size, dim=-1)[..., :t]
+
+
+@dataclass
+class QuestPress(DecodingPress):
+    """Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024): each
+    decode query reads only ``ceil((1 - compression_ratio) * pages)`` pages of its (row, KV head): the pages holding
+    sink or recent-window tokens, then those with the largest upper bound of ``q . k`` from per-page key min / max.
+    Nothing is evicted: the ratio is the share of the KV a decode step does not read.
+
+    On a ``PiKVCache`` the press switches the cache to its Quest read policy (``attention="quest"``, pages of the
+    cache's ``page_size``, bounds kept incrementally). On a ``DynamicCache`` a hook before every decode step's
+    attention computes the query, selects pages of ``page_size`` tokens and replaces the other cached keys, for that
+    step only, by a key no query of the head attends to (kvpress's ``search_hyperplane``); the hook after the step
+    puts the real keys back. (kvpress's own head-wise masking writes its fake keys into the cache for good, which is
+    right for a fixed mask but not for a selection that changes at every step.) It is a kvpress ``DecodingPress`` so
+    that kvpress's pipeline keeps it active while answering.
+
+    Parameters
+    ----------
+    compression_ratio : float
+        Share of pages a decode step skips, in ``[0, 1)``.
+    page_size : int
+        Tokens per page on a DynamicCache.
+    n_sink, window : int
+        First and most recent tokens whose pages are always read.
+    """
+
+    base_press: ScorerPress = field(default_factory=ScorerPress)
+    compression_ratio: float = 0.0
+    page_size: int = 16
+    n_sink: int = 4
+    window: int = 64
+
+    def __post_init__(self) -> None:
+        self._real_keys: dict[int, torch.Tensor] = {}
+        check_ratio("compression_ratio", self.compression_ratio)
+        check_int_at_least("page_size", self.page_size, 1)
+        check_int_at_least("n_sink", self.n_sink, 0)
+        check_int_at_least("window", self.window, 1)
+
+    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        cache = kwargs["past_key_values"]
+        if isinstance(cache, PiKVCache) and cache.read.attention != "quest" and self.compression_ratio:
+            cache.set_attention(
+                "quest", read_fraction=1 - self.compression_ratio, n_sink=self.n_sink, window=self.window
+            )
+        real = self._real_keys.pop(module.layer_idx, None)
+        if real is not None:  # the step is over: the real keys go back, followed by the step's new ones
+            layer = cache.layers[module.layer_idx]
+            layer.keys = torch.cat([real, layer.keys[:, :, real.shape[2] :]], dim=2)
+        return output
+
+    def _select(self, module: nn.Module, args, kwargs: dict) -> None:
+        """Before a DynamicCache decode step's attention: hide the keys of the pages the query does not read."""
+        cache = kwargs.get("past_key_values")
+        hidden = kwargs["hidden_states"]
+        if isinstance(cache, PiKVCache) or hidden.shape[1] != 1 or not self.compression_ratio:
+            return
+        layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
+        if layer is None or layer.keys is None or not layer.keys.numel():
+            return
+        keys = layer.keys  # the cached tokens; the new token is appended after them and always read
+        queries = model_queries(module, hidden, kwargs)
+        b, hq, _, d = queries.shape
+        h = keys.shape[1]
+        qg = queries.view(b, h, hq // h, d)
+        read = quest_pages(qg, keys, self.page_size, 1 - self.compression_ratio, self.n_sink, self.window)
+        fake = search_hyperplane(qg.reshape(b * h, hq // h, d)).view(b, h, 1, d).to(keys.dtype)
+        self._real_keys[module.layer_idx] = keys
+        layer.keys = torch.where(read.unsqueeze(-1), keys, fake)
+
+    @contextmanager
+    def __call__(self, model: nn.Module):
+        handles = [
+            layer.self_attn.register_forward_pre_hook(self._select, with_kwargs=True) for layer in decoder_layers(model)
+        ]
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._real_keys.clear()

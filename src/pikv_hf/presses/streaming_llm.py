@@ -1,0 +1,46 @@
+"""StreamingLLM: attention sinks and a recent window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pikv_hf.checks import check_int_at_least
+from pikv_hf.layer import PiKVLayer
+from pikv_hf.presses.base import PiKVScorerPress
+
+
+def sink_recent_scores(pos: torch.Tensor, n_sink: int) -> torch.Tensor:
+    """``[B, H, T]`` scores ranking the first ``n_sink`` positions first, then the most recent, older last."""
+    pos = pos.float()
+    return torch.where(pos < n_sink, float("inf"), pos)
+
+
+@dataclass
+class StreamingLLMPress(PiKVScorerPress):
+    """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024): keep the
+    first ``n_sink`` tokens (attention sinks) and the most recent ones, ``compute_n_kept(T, compression_ratio)`` per
+    (row, KV head) in all. Scores depend on position only, so prefill and decode-time budgets need no statistics.
+
+    Parameters
+    ----------
+    compression_ratio : float
+        Fraction of the context's KV pairs removed per (row, KV head), in ``[0, 1)``.
+    n_sink : int
+        Attention-sink tokens always kept.
+    """
+
+    n_sink: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int_at_least("n_sink", self.n_sink, 0)
+
+    def score(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
+        b, h, t, _ = keys.shape
+        return sink_recent_scores(torch.arange(t, device=keys.device).expand(b, h, t), self.n_sink)
+
+    def decode_scores(self, layer: PiKVLayer, n_kept: int) -> torch.Tensor:
+        return sink_recent_scores(layer.view_index().pos, self.n_sink)

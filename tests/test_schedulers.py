@@ -1,0 +1,335 @@
+"""PiKV Scheduling presses: kvpress's flow on a DynamicCache, the pipeline, PiKVCache prefill and decode-time budgets,
+on tiny Mixtral, Qwen3-MoE, OLMoE and Llama; kept tokens against independent computations of each score."""
+
+import math
+
+import kvpress
+import pytest
+import torch
+from helpers import DynamicCache, byte_tokenizer, model_pair, prompt
+from kvpress.utils import compute_n_kept
+from transformers import AttentionInterface, pipeline
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from pikv_hf import PiKVCache
+from pikv_hf.presses import (
+    AdaKVPress,
+    DecodingBudgetPress,
+    DuoAttentionPress,
+    FlexGenPress,
+    H2OPress,
+    LRUPlusPress,
+    LRUPress,
+    QuestPress,
+    StreamingLLMPress,
+    calibrate_heads,
+    load_heads,
+    save_heads,
+)
+from pikv_hf.presses.duo_attention import head_budgets
+from pikv_hf.presses.queries import model_queries
+from pikv_hf.tiny import tiny_model
+
+ARCHS = ["mixtral", "qwen3_moe", "olmoe", "llama"]
+T, NEW, R, PAGE = 80, 4, 0.5, 8  # context, generated tokens, ratio, page size
+EVICTING = ("h2o", "streaming_llm", "lru", "lru_plus", "adakv", "duo_attention")
+_HEADS: dict[str, list] = {}
+
+
+def _heads(arch: str) -> list:
+    if arch not in _HEADS:
+        ref, _ = model_pair(arch)
+        _HEADS[arch] = calibrate_heads(ref, prompt(T, seed=7), n_sink=2, window=8)["scores"]
+    return _HEADS[arch]
+
+
+def _press(name: str, arch: str, ratio: float = R):
+    return {
+        "h2o": lambda: H2OPress(ratio),
+        "streaming_llm": lambda: StreamingLLMPress(ratio, n_sink=2),
+        "lru": lambda: LRUPress(ratio),
+        "lru_plus": lambda: LRUPlusPress(ratio),
+        "flexgen": lambda: FlexGenPress(ratio),
+        "adakv": lambda: AdaKVPress(H2OPress(ratio)),
+        "duo_attention": lambda: DuoAttentionPress(ratio, heads=_heads(arch), n_sink=2),
+        "quest": lambda: QuestPress(compression_ratio=ratio, page_size=PAGE, n_sink=2, window=8),
+    }[name]()
+
+
+NAMES = ["h2o", "streaming_llm", "lru", "lru_plus", "flexgen", "adakv", "duo_attention", "quest"]
+
+
+def _cache(model) -> PiKVCache:
+    return PiKVCache(model, router="round_robin", page_size=PAGE, track_stats=True)
+
+
+def _generate(model, cache, press):
+    with press(model):
+        return model.generate(prompt(T, seed=3), past_key_values=cache, max_new_tokens=NEW + 1, do_sample=False)
+
+
+def _per_head(cache: PiKVCache, store: str = "hot") -> list[torch.Tensor]:
+    """``[B, H]`` valid tokens per layer in the hot store (or a tier)."""
+    out = []
+    for layer in cache.layers:
+        st = layer.store if store == "hot" else layer.tiers[store]
+        out.append(st.tokens_per_shard().sum(-1))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", NAMES)
+def test_press_on_dynamic_cache_and_pikv_cache(name, arch):
+    ref, model = model_pair(arch)
+    dyn, cache = DynamicCache(), _cache(model)
+    a = _generate(ref, dyn, _press(name, arch))
+    b = _generate(model, cache, _press(name, arch))
+    n_kept = compute_n_kept(T, R)
+    heads = cache.layers[0].store.heads
+    for layer, dyn_layer, held in zip(cache.layers, dyn.layers, _per_head(cache), strict=True):
+        newest = int(layer.store.frame("pos").max())
+        assert newest == T + NEW - 1  # the most recent token is never lost
+        if name == "quest":  # selection, not eviction
+            assert bool((held == T + NEW).all()) and dyn_layer.keys.shape[2] == T + NEW
+        elif name == "flexgen":  # resident: the recent share; the rest is offloaded, not lost
+            assert bool((held == n_kept + NEW).all())
+            assert bool((layer.tiers["offload"].tokens_per_shard().sum(-1) == T - n_kept).all())
+            assert dyn_layer.keys.shape[2] == n_kept + NEW  # a DynamicCache has no second tier: dropped
+        elif name in ("adakv", "duo_attention"):  # budgets per head vary, per layer they are exact
+            assert bool((held.sum(-1) == heads * (n_kept + NEW)).all())
+            assert dyn_layer.keys.shape[2] == T + NEW  # kvpress masks these, it frees nothing
+        else:
+            assert bool((held == n_kept + NEW).all()) and dyn_layer.keys.shape[2] == n_kept + NEW
+    if name == "flexgen":  # nothing is lost in the PiKVCache: it decodes as the uncompressed cache
+        plain = model.generate(
+            prompt(T, seed=3), past_key_values=_cache(model), max_new_tokens=NEW + 1, do_sample=False
+        )
+        assert torch.equal(b, plain)
+    else:
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["h2o", "streaming_llm", "lru_plus", "adakv", "quest"])
+def test_press_in_kvpress_pipeline(name, arch):
+    ref, model = model_pair(arch)
+    context = "The quick brown fox jumps over the lazy dog near the river bank at dawn. " * 2
+    questions = ["Who jumps?"] if name == "quest" else ["Who jumps?", "Where?"]  # kvpress: one question per decoder
+    answers = []
+    for m, cache in ((ref, DynamicCache()), (model, _cache(model))):
+        pipe = pipeline("kv-press-text-generation", model=m, tokenizer=byte_tokenizer(), device="cpu")
+        answers.append(pipe(context, questions=questions, press=_press(name, arch), cache=cache, max_new_tokens=5))
+    assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", ["h2o", "streaming_llm", "lru", "lru_plus", "flexgen", "adakv"])
+def test_decode_time_budget_holds_every_step(name, arch):
+    _, model = model_pair(arch)
+    budget = 40
+    press = DecodingBudgetPress(_press(name, arch, 0.0), target_size=budget)
+    cache = _cache(model)
+    held_per_step = []
+
+    def track(module, args, output):  # per step: the most any (row, head) holds, or any row's total for AdaKV
+        held = _per_head(cache)
+        held_per_step.append(max(int(h.sum(-1).max() / h.shape[-1] if name == "adakv" else h.max()) for h in held))
+
+    handle = model.register_forward_hook(track)
+    try:
+        with press(model):
+            model.generate(prompt(30, seed=2), past_key_values=cache, max_new_tokens=25, do_sample=False)
+    finally:
+        handle.remove()
+    heads = cache.layers[0].store.heads
+    assert held_per_step[0] == 30 and max(held_per_step[1:]) == budget  # prefill untouched, then never over
+    # (AdaKV spreads a row's budget of heads * target_size over its heads, so it is checked per row)
+    for layer, held in zip(cache.layers, _per_head(cache), strict=True):
+        assert int(layer.store.frame("pos").max()) == 30 + 24 - 1 + 1 - 1  # the newest token is still there
+        assert int(held.sum()) == heads * budget if name == "adakv" else bool((held == budget).all())
+
+
+# ---------------------------------------------------------------------- kept tokens against independent scores
+_CAPTURED: dict = {}
+
+
+def _capture(module, query, key, value, attention_mask, **kwargs):
+    _CAPTURED[module.layer_idx] = (query.detach().clone(), key.detach().clone())
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _captured_layer0(arch: str, ids: torch.Tensor):
+    """Post-RoPE queries ``[Hq, T, D]`` and keys ``[H, T, D]`` of layer 0 on ``ids``, read from the attention call."""
+    AttentionInterface.register("capture_qk", _capture)
+    model = tiny_model(arch, seed=0)
+    model.set_attn_implementation("capture_qk")
+    with torch.no_grad():
+        model(ids)
+    query, key = _CAPTURED[0]
+    return query[0].double(), key[0].double(), model.model.layers[0].self_attn.scaling
+
+
+def _naive_statistics(query, key, scale):
+    """Per KV head and key: summed probability, hits, last hitting query; loops over queries."""
+    hq, t, _ = query.shape
+    h = key.shape[0]
+    g = hq // h
+    mass, hits, last = torch.zeros(h, t, dtype=torch.float64), torch.zeros(h, t), torch.full((h, t), -1.0)
+    for i in range(t):
+        for kv in range(h):
+            prob = sum(
+                ((query[kv * g + j, i] @ key[kv, : i + 1].T) * scale).softmax(-1) for j in range(g)
+            )  # the query heads of this KV head, summed
+            mass[kv, : i + 1] += prob
+            hit = prob > g / (i + 1)
+            hits[kv, : i + 1] += hit
+            last[kv, : i + 1][hit] = i
+    return mass, hits, last
+
+
+def _kept_positions(cache: PiKVCache) -> list[set]:
+    view = cache.layers[0].view_index()
+    return [set(view.pos[0, h][view.pos[0, h] >= 0].tolist()) for h in range(view.pos.shape[1])]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "llama"])
+@pytest.mark.parametrize("name", ["h2o", "lru", "lru_plus", "streaming_llm"])
+def test_kept_tokens_follow_an_independent_score(name, arch):
+    t = 24
+    ids = prompt(t, seed=11)
+    query, key, scale = _captured_layer0(arch, ids)
+    assert torch.allclose(query, _queries_from_press_helper(arch, ids), atol=1e-5)
+    mass, hits, last = _naive_statistics(query, key, scale)
+    n_kept = compute_n_kept(t, R)
+    pos = torch.arange(t, dtype=torch.float64)
+    expected = []
+    for kv in range(key.shape[0]):
+        if name == "h2o":
+            n_recent = int(0.5 * n_kept)
+            score = torch.where(pos >= t - n_recent, 1e9 + pos, mass[kv])
+        elif name == "lru":
+            score = torch.maximum(last[kv], pos) + pos / (2 * t)
+        elif name == "lru_plus":
+            score = (
+                0.5 * torch.maximum(last[kv], pos) / (t - 1) + 0.5 * hits[kv] / hits[kv].max() + pos * 1e-9 / (t - 1)
+            )
+        else:
+            score = torch.where(pos < 2, float("inf"), pos)
+        score[-1] = float("inf")
+        expected.append(set(score.topk(n_kept).indices.tolist()))
+    _, model = model_pair(arch)
+    cache = _cache(model)
+    press = {
+        "h2o": H2OPress(R),
+        "lru": LRUPress(R),
+        "lru_plus": LRUPlusPress(R),
+        "streaming_llm": StreamingLLMPress(R, n_sink=2),
+    }
+    with torch.no_grad(), press[name](model):
+        model(ids, past_key_values=cache)
+    assert _kept_positions(cache) == expected
+
+
+def _queries_from_press_helper(arch: str, ids: torch.Tensor) -> torch.Tensor:
+    """Layer 0's queries as ``model_queries`` recomputes them from the layer input."""
+    model = tiny_model(arch, seed=0)
+    seen = {}
+    handle = model.model.layers[0].self_attn.register_forward_hook(
+        lambda m, a, kw, out: seen.update(q=model_queries(m, kw["hidden_states"], kw)), with_kwargs=True
+    )
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    return seen["q"][0].double()
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
+def test_model_queries_equal_the_attention_inputs(arch):
+    ids = prompt(20, seed=12)
+    query, _, _ = _captured_layer0(arch, ids)
+    assert torch.allclose(_queries_from_press_helper(arch, ids), query, atol=1e-5)
+
+
+def test_adakv_keeps_what_kvpress_masks_and_frees_it():
+    ref, model = model_pair("llama")
+    ids = prompt(T, seed=3)
+    kv_press = kvpress.AdaKVPress(H2OPress(R))
+    with torch.no_grad(), kv_press(ref):
+        ref(ids, past_key_values=DynamicCache())
+    masked = ref.model.layers[0].self_attn.masked_key_indices  # (batch, head, seq) kvpress fakes at decode
+    cache = _cache(model)
+    with torch.no_grad(), AdaKVPress(H2OPress(R))(model):
+        model(ids, past_key_values=cache)
+    dropped = [set(range(T)) - kept for kept in _kept_positions(cache)]
+    expected = [set(masked[2][masked[1] == h].tolist()) for h in range(2)]
+    assert dropped == expected
+
+
+def test_duo_attention_budgets_and_saved_heads(tmp_path):
+    scores = [0.3, 0.01, 0.5, 0.02]
+    budgets = head_budgets(scores, 100, 60, 5)
+    assert sum(budgets) == 4 * 60 and budgets[0] == budgets[2] == 100 and budgets[1] + budgets[3] == 40
+    ref, model = model_pair("llama")
+    path = tmp_path / "heads.json"
+    save_heads(calibrate_heads(ref, prompt(T, seed=7), n_sink=2, window=8), path)
+    assert load_heads(path, model) == _heads("llama")
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(ValueError, match="calibrated on another model"):
+        DuoAttentionPress(0.5, heads=str(path)).post_init_from_model(other)
+
+
+# ---------------------------------------------------------------------- offload tier
+@pytest.mark.parametrize("target", ["cpu", "disk"])
+def test_offloaded_tokens_are_read_back_and_counted(target):
+    _, model = model_pair("mixtral")
+    ids = prompt(T, seed=3)
+    plain = model.generate(ids, past_key_values=_cache(model), max_new_tokens=6, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    cache = _cache(model)
+    with FlexGenPress(R, offload=target)(model):
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, plain.sequences)
+    assert max((a - b).abs().max() for a, b in zip(out.logits, plain.logits, strict=True)) < 1e-5
+    assert cache.layers[0].tiers["offload"].device.type == "cpu"
+    # routed reads over both tiers: offloaded shards selected count as misses and their bytes as fetched
+    routed = _cache(model)
+    with FlexGenPress(R, offload=target)(model):
+        model(ids, past_key_values=routed)
+    routed.set_attention("routed", top_k_shards=2, n_sink=2, window=8)
+    with torch.no_grad():
+        for step in range(3):
+            model(prompt(1, seed=step), past_key_values=routed)
+    stats = routed.routing_stats()["overall"]
+    assert stats["fraction_tokens_attended"] < 1.0 and int(routed.layers[1].policy.misses.sum()) >= 0
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: H2OPress(1.0), "compression_ratio must be a number in \\[0, 1\\)"),
+        (lambda: LRUPress(-0.1), "compression_ratio must be a number in \\[0, 1\\)"),
+        (lambda: H2OPress(0.5, recent_ratio=2), "recent_ratio must be a number in \\[0, 1\\]"),
+        (lambda: StreamingLLMPress(0.5, n_sink=-1), "n_sink must be an integer >= 0"),
+        (lambda: FlexGenPress(0.5, offload="tape"), "offload must be None or one of cpu, disk"),
+        (lambda: DecodingBudgetPress(H2OPress(), target_size=0), "target_size must be an integer >= 1"),
+        (lambda: DecodingBudgetPress(StreamingLLMPress(n_sink=8), target_size=8), "target_size must exceed"),
+        (lambda: QuestPress(compression_ratio=0.5, page_size=0), "page_size must be an integer >= 1"),
+        (lambda: H2OPress(0.5, shard_budget="even"), "shard_budget must be one of global, proportional"),
+    ],
+)
+def test_bad_arguments(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_unsupported_model_is_refused_before_the_cache_changes():
+    model = tiny_model("deepseek_v3", seed=0)
+    cache = PiKVCache(model)
+    with pytest.raises(ValueError, match="query path .* is not supported"):
+        with H2OPress(0.5)(model):
+            model(prompt(12), past_key_values=cache)
+    assert cache.get_seq_length() == 0 and math.isclose(cache.kv_nbytes(), 0)
