@@ -196,12 +196,13 @@ def _points(rows):
     ("args", "message"),
     [
         (["--suite", "nope"], "suite must be one of"),
-        (["--suite", "ruler", "--press", "nope"], "press must be 'none' or one of"),
+        (["--suite", "ruler", "--press", "nope"], "press must be 'none', one of"),
         (["--suite", "ruler", "--model", "no/such/dir"], "model must be one of"),
         (["--suite", "ruler", "--press", "knorm", "--ratio", "1.0"], r"ratio must be in \[0, 1\), got 1.0"),
         (["--suite", "ruler", "--press", "knorm", "--ratio", "-0.1"], r"ratio must be in \[0, 1\)"),
-        (["--suite", "ruler", "--press", "snapkv", "--cache", "pikv"], "presses inside PiKVCache arrive with"),
-        (["--suite", "ruler", "--press", "pikv_routed"], "is a PiKVCache attention mode: it needs --cache pikv"),
+        (["--suite", "ruler", "--press", "snapkvv", "--cache", "pikv"], "press must be 'none', one of"),
+        (["--suite", "ruler", "--press", "pikv_routed"], "reads a PiKVCache at decode time: it needs --cache pikv"),
+        (["--suite", "ruler", "--press", "pikv_h2o_offload_routed"], "it needs --cache pikv"),
         (
             ["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--ratio", "0.3"],
             "must skip a whole number of the 8 shards",
@@ -235,3 +236,18 @@ def test_output_directory_of_another_configuration_is_refused(model_dir, tmp_pat
     run_eval(config, progress=False)
     with pytest.raises(ValueError, match="holds results of another configuration"):
         run_eval(_ruler_config(model_dir, out, presses=["none"], tasks="niah_single_number", samples=1, seed=1))
+
+
+def test_presses_inside_pikv_cache_answer_as_on_dynamic_cache(model_dir, tmp_path):
+    # one prefill per sample, every press replayed on a fork: the same kept tokens, so the same answers
+    common = dict(
+        presses=["snapkv", "pikv_h2o", "pikv_streaming_llm"], ratios=[0.5], tasks="niah_single_number", samples=2
+    )
+    dyn = run_eval(_ruler_config(model_dir, tmp_path / "dyn", **common), progress=False)
+    pikv = run_eval(_ruler_config(model_dir, tmp_path / "pikv", cache="pikv", **common), progress=False)
+    rows = {(r["press"], r["index"]): r for r in _rows(tmp_path / "pikv")}
+    for row in _rows(tmp_path / "dyn"):
+        twin = rows[row["press"], row["index"]]
+        assert twin["prediction"] == row["prediction"]
+        assert twin["kept_context_tokens"] == row["kept_context_tokens"]  # resident tokens per layer and KV head
+    assert dyn["complete"] and pikv["complete"]

@@ -33,6 +33,7 @@ from typing import Any
 
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
+from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX, duo_heads
 
 MODEL_NAMES = ("smollm2", "smollm2-moe")
 CACHES = ("dynamic", "pikv")
@@ -122,20 +123,17 @@ class EvalConfig:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if not self.presses:
             raise ValueError("press must name at least one press ('none' for no compression)")
-        if self.cache == "pikv":
+        if any(press not in ("none", *PIKV_MODES, *PIKV_PRESSES) for press in self.presses):
+            known = press_names()  # kvpress is imported only when one of its presses is asked for
             for press in self.presses:
-                if press != "none" and press not in PIKV_MODES:
+                if press not in ("none", *PIKV_MODES, *PIKV_PRESSES, *known):
                     raise ValueError(
-                        f"press: with --cache pikv use none, {' or '.join(PIKV_MODES)}, got {press!r} (kvpress "
-                        "presses inside PiKVCache arrive with the scheduling issue; use --cache dynamic to run them)"
+                        f"press must be 'none', one of {sorted(PIKV_PRESSES)} or a kvpress press "
+                        f"{sorted(known)}, got {press!r}"
                     )
-        elif any(press != "none" for press in self.presses):  # kvpress is imported only when a press is asked for
-            known = press_names()
-            for press in self.presses:
-                if press in PIKV_MODES:
-                    raise ValueError(f"press {press!r} is a PiKVCache attention mode: it needs --cache pikv")
-                if press != "none" and press not in known:
-                    raise ValueError(f"press must be 'none' or one of {sorted(known)}, got {press!r}")
+        for press in self.presses:
+            if self.cache != "pikv" and (press in PIKV_MODES or press.endswith(ROUTED_SUFFIX)):
+                raise ValueError(f"press {press!r} reads a PiKVCache at decode time: it needs --cache pikv")
         if not self.ratios:
             raise ValueError("ratio must be given at least once")
         for ratio in self.ratios:
@@ -252,15 +250,17 @@ def press_names() -> dict[str, str]:
     return out
 
 
-def build_press(name: str, ratio: float):
-    """Instantiate a kvpress press, or return None for ``none``.
+def build_press(name: str, ratio: float, heads: str | None = None):
+    """Instantiate a kvpress press or one of pikv_hf's (``pikv_*``), or return None for ``none``.
 
     Parameters
     ----------
     name : str
-        Alias or class name from :func:`press_names`, or ``none``.
+        Alias or class name from :func:`press_names`, a name of ``PIKV_PRESSES``, or ``none``.
     ratio : float
         ``compression_ratio`` in [0, 1).
+    heads : str, optional
+        DuoAttention head scores (``pikv_duo_attention``).
 
     Returns
     -------
@@ -268,6 +268,10 @@ def build_press(name: str, ratio: float):
     """
     if name == "none":
         return None
+    if name in PIKV_PRESSES:
+        from pikv_hf.eval.pikv_presses import build_pikv_press
+
+        return build_pikv_press(name, ratio, heads)
     names = press_names()
     if name not in names:
         raise ValueError(f"press must be 'none' or one of {sorted(names)}, got {name!r}")
@@ -436,11 +440,8 @@ def replayable(press) -> bool:
     """Whether ``press`` compresses through kvpress's default prefill hook (so :class:`PrefillRecord` applies)."""
     from kvpress import BasePress, DecodingPress, PrefillDecodingPress
 
-    return (
-        press is not None
-        and type(press).forward_hook is BasePress.forward_hook
-        and not isinstance(press, (DecodingPress, PrefillDecodingPress))
-    )
+    default_hook = type(press).forward_hook is BasePress.forward_hook or getattr(press, "replays_prefill", False)
+    return press is not None and default_hook and not isinstance(press, (DecodingPress, PrefillDecodingPress))
 
 
 def prefill(model, context_ids, press=None, cache=None):
@@ -492,20 +493,28 @@ def answer_from_cache(model, kv, context_len: int, question_ids, max_new_tokens:
     return generated
 
 
-def pikv_decoders(model, config: EvalConfig, context_ids):
-    """Prefill the context once into an exact ``PiKVCache``; return ``make(point) -> cache`` for the points.
+def pikv_decoders(model, config: EvalConfig, context_ids, heads: str | None = None):
+    """Prefill the context once into an exact ``PiKVCache``; return ``make(press, ratio) -> cache`` for the points.
 
-    Each call forks the prefilled cache and sets the point's decode attention: ``none`` exact, ``pikv_routed``
-    ``top_k_shards = (1 - ratio) * num_shards``, ``pikv_quest`` ``read_fraction = 1 - ratio``.
+    Each call forks the prefilled cache. A press (kvpress's or pikv_hf's) then compresses the fork by replaying the
+    recorded prefill hooks (:class:`pikv_hf.eval.pikv_presses.RecordedPiKVPrefill`); ``none``, ``pikv_routed``
+    and ``pikv_quest`` set the decode attention (``EvalConfig.point_read``), an ``*_offload_routed`` press routed
+    reads over both tiers.
     """
     from pikv_hf import PiKVCache
+    from pikv_hf.eval.pikv_presses import RecordedPiKVPrefill, routed_read
 
     base = PiKVCache(model, router=config.router, num_shards=config.num_shards, page_size=config.page_size)
-    prefill(model, context_ids, None, base)
+    recorded = RecordedPiKVPrefill(model, base, context_ids)
 
     def make(press_name: str, ratio: float):
-        cache = base.fork()
-        cache.set_attention(config.point_read(press_name, ratio, cache.num_shards))
+        if press_name == "none" or press_name in PIKV_MODES:
+            cache = recorded.compressed()
+            cache.set_attention(config.point_read(press_name, ratio, cache.num_shards))
+            return cache
+        cache = recorded.compressed(build_press(press_name, ratio, heads))
+        if press_name.endswith(ROUTED_SUFFIX):
+            cache.set_attention(routed_read(config.read, cache.num_shards))
         return cache
 
     return make
@@ -763,6 +772,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
             from pikv_hf.eval.ruler import Haystack, generate_sample, score_sample
 
             haystack = Haystack(builder.count)
+        heads = duo_heads(model, tokenizer, out) if "pikv_duo_attention" in config.presses else None
         bar = tqdm(total=n_pending, disable=not progress, desc=f"eval {config.suite} {config.model}", unit="answer")
         with pred_path.open("a", encoding="utf-8") as handle:
             for index, length, task in pending:
@@ -779,14 +789,15 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                     key = row_key(press_name, ratio, length, task, index)
                     if key in done:
                         continue
-                    press = None if config.cache == "pikv" else build_press(press_name, ratio)
+                    press = None if config.cache == "pikv" else build_press(press_name, ratio, heads)
                     started = time.perf_counter()
                     read = {}
                     if config.cache == "pikv":
-                        decoders = decoders or pikv_decoders(model, config, ctx_ids)
+                        decoders = decoders or pikv_decoders(model, config, ctx_ids, heads)
                         kv = decoders(press_name, ratio)
+                        held = torch.stack([la.store.tokens_per_shard().sum(-1) for la in kv.layers])
+                        kept = round(float(held.float().mean()), 1)  # mean resident tokens per layer and KV head
                         generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
-                        kept = int(ctx_ids.shape[1])
                         if kv.read.sparse:
                             stats = kv.routing_stats()["overall"]
                             read = {
