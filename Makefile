@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint bench bench-distributed bench-kernels clean-venv
+.PHONY: demo test lint bench bench-store bench-memory bench-scheduling bench-distributed bench-kernels clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,21 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_decode.py --contexts 8192 16384 32768 --steps 5 --repeats 15 --threads 1 --page-size 1 \
 		--out benchmarks/results/decode_speed_page1_cpu.json
 
+# Page store: ragged budgets (100% / 12.5% of heads) bytes against the bound, eviction cost against one decode attention
+bench-store: $(STAMP)
+	$(PY) benchmarks/bench_store.py --out benchmarks/results/store_ragged_cpu.json
+
+# Prefill peak memory of SmolLM2 at 8k, 256 key-cluster shards, pages of 1, against a DynamicCache (~2 min)
+bench-memory: $(STAMP)
+	$(PY) benchmarks/bench_memory.py --context 8192 --shards 256 --page-size 1 \
+		--out benchmarks/results/prefill_memory_cpu.json
+
+# Scheduling presses: KV bytes after every press x ratio against (1 - r) x DynamicCache at 2k, and H2O held to a
+# 1024-token budget over 8192 decode steps (bytes and step time every 500 steps, ~10 min)
+bench-scheduling: $(STAMP)
+	$(PY) benchmarks/scheduling_bytes.py --context 2048 --page-size 1 --out benchmarks/results/scheduling_bytes_cpu.json
+	$(PY) benchmarks/decode_budget.py --out benchmarks/results/decode_budget_cpu.json
+
 # Expert-sharded KV over G = 1, 2, 4, 8 gloo ranks (torchrun on loopback): bytes per decode step, per-rank KV (~3 min, 2 cores)
 bench-distributed: $(STAMP)
 	$(PY) benchmarks/bench_distributed.py --ranks 1 2 4 8 --context 4096 --steps 16 \
@@ -50,7 +65,7 @@ bench-kernels: $(STAMP)
 EVAL_TABLE_ARGS := --suite ruler --tasks needle --samples 20 --length 2048 \
 	--press none snapkv expected_attention streaming_llm knorm --ratio 0.25 0.5 0.75 --no-progress
 EVAL_RESULTS := eval/results
-.PHONY: eval-table eval-routing eval-assets eval-smoke test-eval-slow
+.PHONY: eval-table eval-routing eval-scheduling eval-assets eval-smoke test-eval-slow
 
 eval-table: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(EVAL_TABLE_ARGS) --model smollm2 \
@@ -100,6 +115,20 @@ eval-routing: $(STAMP)
 		--ratio 0.875 --length $$L --out $(EVAL_RESULTS)/routing_quality_smollm2_topp97_256shards_page1_cap18_$$L; done
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP_ARGS) --press pikv_quest \
 		--ratio 0.8125 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_quest316_2k
+
+# Scheduling presses (issue 16): every pikv_hf scheduler and kvpress's SnapKV / ExpectedAttention / StreamingLLM /
+# Knorm at 0.25 / 0.5 / 0.75 inside one PiKVCache per sample (one prefill, presses replayed on forks), RULER needles at
+# 2k and 4k, 42 samples per point, query-agnostic (the context is compressed before the question). Then H2O at 0.5
+# with the rest offloaded to CPU and routed reads over both tiers (the routing quality setting). Several hours.
+SCHED_PRESSES := none pikv_h2o pikv_streaming_llm pikv_lru pikv_lru_plus pikv_flexgen pikv_adakv pikv_duo_attention \
+	pikv_quest snapkv expected_attention streaming_llm knorm
+eval-scheduling: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval --suite ruler --model smollm2 --cache pikv --tasks needle \
+		--samples 14 --length 2048 4096 --press $(SCHED_PRESSES) --ratio 0.25 0.5 0.75 --no-progress \
+		--out $(EVAL_RESULTS)/scheduling_smollm2
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_PAGE1_ARGS) --tasks needle \
+		--length 2048 4096 --press none pikv_h2o_offload_routed --ratio 0.5 --no-progress \
+		--out $(EVAL_RESULTS)/scheduling_offload_routed_smollm2
 
 # Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 eval-assets: $(STAMP)

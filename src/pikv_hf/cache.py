@@ -245,6 +245,10 @@ class PiKVCache(Cache):
         """Bytes allocated for keys and values across layers (measured on the tensors held)."""
         return sum(layer.kv_nbytes() for layer in self.layers)
 
+    def offloaded_nbytes(self) -> int:
+        """Key/value bytes moved to offload tiers (CPU memory or memory-mapped files) across layers."""
+        return sum(layer.offloaded_nbytes() for layer in self.layers)
+
     def meta_nbytes(self) -> int:
         """Bytes allocated for positions, valid bits, statistics, page tables and shard sums across layers."""
         return sum(layer.meta_nbytes() for layer in self.layers)

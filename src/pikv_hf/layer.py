@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from pikv_hf.distributed import Partition
 
 
+OFFLOAD = "offload"  # the tier evicted tokens move to instead of being dropped (not resident)
+
+
 @dataclass(frozen=True)
 class PagedKV:
     """What ``PiKVLayer.update`` returns in place of key/value tensors; only the ``pikv`` attention reads it.
@@ -364,7 +367,8 @@ class PiKVLayer(CacheLayerMixin):
         h, p = st.heads, st.page_size
         qg = query.reshape(b, h, hq // h * q, dk)
         row_start = self._row_start()
-        plans = self.policy.plans(StoreGroup(self.stores()), qg, scale, int(self._last_qpos[-1]), row_start)
+        offloaded = (self.tiers[OFFLOAD],) if OFFLOAD in self.tiers else ()
+        plans = self.policy.plans(StoreGroup(self.stores(), offloaded), qg, scale, int(self._last_qpos[-1]), row_start)
         plan = plans[0]
         part = self._read(query, plans, scale, sliding_window, sinks, count=True)
         self._record_stats(part, hq // h * q)
@@ -378,7 +382,7 @@ class PiKVLayer(CacheLayerMixin):
             stats.pages_gathered += n_read
             stats.pages_stored += int(store.table.n_pages.sum())
             stats.slots_gathered += n_read * p
-            if store.device != st.device:  # pages brought back from an offload tier
+            if store in offloaded:  # pages brought back from the offload tier
                 stats.bytes_fetched += n_read * store.pool.nbytes(store.kv_fields) // max(1, store.pool.num_pages)
         learn = self.policy.learns() and stats.steps % cfg.reward_every == 0
         if cfg.measure_recall or learn:
@@ -675,13 +679,13 @@ class PiKVLayer(CacheLayerMixin):
     def offload_tokens(self, keep: torch.Tensor, target: str = "cpu") -> torch.Tensor:
         """Move the hot store's tokens outside ``keep`` to the offload tier: CPU memory (``"cpu"``, pinned when the
         layer is on a GPU) or memory-mapped files in a temporary directory (``"disk"``). Returns ``[B, H]`` moved."""
-        if "offload" not in self.tiers:
+        if OFFLOAD not in self.tiers:
             if target == "disk":
                 storage = tempfile.mkdtemp(prefix="pikv-offload-")
             else:
                 storage = "pinned" if self.store.device.type == "cuda" else None
-            self.tier("offload", device="cpu", storage=storage)
-        return self.move_to_tier("offload", keep)
+            self.tier(OFFLOAD, device="cpu", storage=storage)
+        return self.move_to_tier(OFFLOAD, keep)
 
     def min_evicted(self) -> int:
         """Fewest tokens evicted from any (row, KV head)."""
@@ -783,17 +787,17 @@ class PiKVLayer(CacheLayerMixin):
         return StoreGroup(self.stores()).tokens_per_shard()
 
     def kv_nbytes(self) -> int:
-        """Key/value bytes allocated on the layer's device (the hot store and tiers that live there)."""
+        """Key/value bytes allocated for the resident tokens: the hot store and every tier but the offload tier."""
         if self.store is None:
             return 0
-        return sum(s.kv_nbytes() for s in self._stores_where(True))
+        return sum(s.kv_nbytes() for name, s in self._named_stores() if name != OFFLOAD)
 
     def offloaded_nbytes(self) -> int:
-        """Key/value bytes held by tiers on another device (offloaded)."""
-        return 0 if self.store is None else sum(s.kv_nbytes() for s in self._stores_where(False))
+        """Key/value bytes of the offload tier (CPU memory or memory-mapped files)."""
+        return self.tiers[OFFLOAD].kv_nbytes() if OFFLOAD in self.tiers else 0
 
     def meta_nbytes(self) -> int:
         return 0 if self.store is None else sum(s.meta_nbytes() for s in [self.store, *self.tiers.values()])
 
-    def _stores_where(self, on_device: bool) -> list:
-        return [s for s in [self.store, *self.tiers.values()] if (s.device == self.store.device) == on_device]
+    def _named_stores(self) -> list[tuple[str, PagedStore]]:
+        return [("hot", self.store), *self.tiers.items()]

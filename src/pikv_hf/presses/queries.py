@@ -15,6 +15,7 @@ query that did (LRU's recency).
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,9 @@ class AttentionStatistics:
     last_hit: torch.Tensor  # position of the last query that hit the key; -1 if none
 
 
+_MEMO: dict[int, dict] = {}  # id(hidden states) -> {(module, keys shape): statistics}, dropped with the tensor
+
+
 def attention_statistics(
     module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
 ) -> AttentionStatistics:
@@ -80,7 +84,24 @@ def attention_statistics(
     ``T`` tokens: the whole prefill, or hidden states buffered over decode steps) over ``keys`` (``[B, H, T, D]``,
     position-ordered): the query of token ``i`` sees tokens ``0 .. i``; a key is *hit*
     by it when the probability the query's ``G`` rows give it, summed, exceeds ``G`` over the number of keys the query
-    sees (sliding-window layers see their window). Attention sinks (GPT-OSS ``s_aux``) are not modelled."""
+    sees (sliding-window layers see their window). Attention sinks (GPT-OSS ``s_aux``) are not modelled.
+
+    The result is remembered for these very ``hidden_states`` (a weak reference: it goes with them), so presses
+    replayed on one recorded prefill (several presses and ratios) compute it once per layer.
+    """
+    if id(hidden_states) not in _MEMO:
+        _MEMO[id(hidden_states)] = {}
+        weakref.finalize(hidden_states, _MEMO.pop, id(hidden_states), None)
+    memo = _MEMO[id(hidden_states)]
+    key = (id(module), tuple(keys.shape))
+    if key not in memo:
+        memo[key] = _attention_statistics(module, hidden_states, keys, kwargs)
+    return memo[key]
+
+
+def _attention_statistics(
+    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+) -> AttentionStatistics:
     t = keys.shape[2]
     first = t - hidden_states.shape[1]
     queries = model_queries(module, hidden_states, kwargs, torch.arange(first, t, device=keys.device))  # [B,Hq,q,D]

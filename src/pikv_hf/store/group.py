@@ -4,7 +4,7 @@ A tier is a ``PagedStore`` of its own (its own codec and device): an offload tie
 (or on disk) instead of dropping them, a compressed tier holds sealed pages in a compressed codec. Every token lives
 in exactly one store, so attention over the layer is the exact log-sum-exp merge of one partial per store, and a
 routed selection reads the shard statistics of all stores together (``StoreGroup.summary``): a shard is resident
-when none of its tokens sits on another device.
+when none of its tokens sits in an offloaded store.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pikv_hf.store.paged import PagedStore
 class StoreGroup:
     """The hot store and its tiers, with the shard summary of all of them (what a selector reads)."""
 
-    def __init__(self, stores: list[PagedStore]) -> None:
-        self.stores = stores
+    def __init__(self, stores: list[PagedStore], offloaded: tuple[PagedStore, ...] = ()) -> None:
+        self.stores, self.offloaded = stores, offloaded
         hot = stores[0]
         self.batch, self.heads, self.num_shards, self.device = hot.batch, hot.heads, hot.num_shards, hot.device
 
@@ -33,7 +33,7 @@ class StoreGroup:
         total = sum(p.centroids.to(d) * p.counts.to(d).unsqueeze(-1) for p in parts)
         square = sum((p.key_var.to(d) + p.centroids.to(d).square()) * p.counts.to(d).unsqueeze(-1) for p in parts)
         centroids = total / n
-        away = sum(s.stats.count.to(d) for s in self.stores[1:] if s.device != d)
+        away = sum(s.stats.count.to(d) for s in self.offloaded)
         return ShardSummary(
             centroids=centroids,
             counts=counts,
