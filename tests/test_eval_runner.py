@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,10 +224,12 @@ def _points(rows):
         ),
     ],
 )
-def test_bad_input_fails_clearly_before_writing(tmp_path, args, message):
+def test_bad_input_fails_clearly_before_writing(tmp_path, capsys, args, message):
     out = tmp_path / "never"
-    with pytest.raises(ValueError, match=message):
-        cli_main(["eval", *args, "--out", str(out)])
+    assert cli_main(["eval", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pikv-hf eval: error: ")
+    assert re.search(message, err[0])
     assert not out.exists()
 
 

@@ -234,6 +234,11 @@ class PiKVCache(Cache):
         """``[L, S]`` valid tokens per shard and layer, summed over batch rows and KV heads."""
         return torch.stack([layer.tokens_per_shard().sum(dim=(0, 1)) for layer in self.layers])
 
+    def resident_tokens(self) -> torch.Tensor:
+        """``[L, B, H_kv]`` tokens held per layer, batch row and KV head outside the offload tier (what decode reads
+        when it reads everything)."""
+        return torch.stack([layer.resident_tokens() for layer in self.layers])
+
     def routing_stats(self) -> dict:
         """Sparse modes: per-layer and overall fraction of KV read, tokens per head and recall (if measured)."""
         total = RoutingStats()

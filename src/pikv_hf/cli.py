@@ -1,24 +1,23 @@
-"""``pikv-hf`` command line: ``demo`` (exactness + memory + speed on a tiny MoE) and ``eval`` (quality harness)."""
+"""``pikv-hf`` command line: ``demo`` (a long document answered from full, routed and compressed KV; ``--tiny``:
+exactness on a random MoE) and ``eval`` (quality harness)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from pikv_hf.checks import CommandLineError
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from pikv_hf.routing import PLACEMENTS
-    from pikv_hf.tiny import TINY_ARCHS
-
     parser = argparse.ArgumentParser(prog="pikv-hf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="DynamicCache vs PiKVCache on an embedded tiny MoE model (no download)")
-    demo.add_argument("--arch", default="mixtral", choices=list(TINY_ARCHS), help="tiny architecture to build")
-    demo.add_argument("--router", default="expert", choices=PLACEMENTS, help="placement router")
-    demo.add_argument("--prompt-len", type=int, default=256)
-    demo.add_argument("--new-tokens", type=int, default=32)
-    demo.add_argument("--seed", type=int, default=0)
+    from pikv_hf.demo import add_arguments as demo_arguments
+
+    demo_arguments(
+        sub.add_parser("demo", help="a planted fact in a long document, answered from full, routed and compressed KV")
+    )
 
     from pikv_hf.eval import cli as eval_cli
 
@@ -27,14 +26,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``pikv-hf``; bad input found before any work is one ``pikv-hf CMD: error:`` line and exit status 2."""
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from pikv_hf.demo import run_demo
+    try:
+        if args.command == "demo":
+            from pikv_hf.demo import run_demo
 
-        return run_demo(args)
-    from pikv_hf.eval import cli as eval_cli
+            return run_demo(args)
+        from pikv_hf.eval import cli as eval_cli
 
-    return eval_cli.run(args)
+        return eval_cli.run(args)
+    except CommandLineError as err:
+        print(f"pikv-hf {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

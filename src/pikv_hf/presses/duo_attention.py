@@ -13,8 +13,8 @@ from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_int_at_least
-from pikv_hf.presses.base import check_offload, check_ratio, drop_or_offload, to_frame
+from pikv_hf.checks import check_int_at_least, check_ratio
+from pikv_hf.presses.base import check_offload, drop_or_offload, to_frame
 from pikv_hf.presses.queries import model_queries
 
 

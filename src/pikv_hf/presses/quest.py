@@ -13,8 +13,7 @@ from kvpress.presses.scorer_press import ScorerPress
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_int_at_least
-from pikv_hf.presses.base import check_ratio
+from pikv_hf.checks import check_int_at_least, check_ratio
 from pikv_hf.presses.queries import model_queries
 from pikv_hf.routing.expert import decoder_layers
 
