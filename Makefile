@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint bench bench-store bench-memory bench-scheduling bench-distributed bench-kernels clean-venv
+.PHONY: demo test lint results notebooks bench bench-store bench-memory bench-scheduling bench-distributed bench-kernels clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,15 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks eval
+
+# docs/RESULTS.md and README's results table, generated from the committed JSON (tests check they are current)
+results: $(STAMP)
+	$(PY) benchmarks/results_page.py
+
+# Every notebook headless on the real models (make test runs them in quick mode)
+notebooks: $(STAMP)
+	cd notebooks && PIKV_NOTEBOOKS=full MPLBACKEND=Agg $(abspath $(VENV))/bin/jupyter-execute --timeout=1800 \
+		01_quickstart.ipynb 02_routing.ipynb 03_compression_tradeoffs.ipynb 04_kvpress_pipeline.ipynb
 
 # Benchmarks (not tests): write JSON under benchmarks/results/
 bench: $(STAMP)
@@ -117,15 +126,18 @@ eval-routing: $(STAMP)
 		--ratio 0.8125 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_quest316_2k
 
 # Scheduling presses (issue 16): every pikv_hf scheduler and kvpress's SnapKV / ExpectedAttention / StreamingLLM /
-# Knorm at 0.25 / 0.5 / 0.75 inside one PiKVCache per sample (one prefill, presses replayed on forks), RULER needles at
-# 2k and 4k, 42 samples per point, query-agnostic (the context is compressed before the question). Then H2O at 0.5
-# with the rest offloaded to CPU and routed reads over both tiers (the routing quality setting). Several hours.
+# Knorm at 0.5 and 0.75 inside one PiKVCache per sample (one prefill, presses replayed on forks), RULER needles at
+# 2k, 42 samples per point, query-agnostic (the context is compressed before the question); then every press at 0.5
+# at 4k; then H2O at 0.5 with the rest offloaded to CPU and routed reads over both tiers (the routing quality
+# setting) at 2k and 4k. About 5 h on 2 cores.
 SCHED_PRESSES := none pikv_h2o pikv_streaming_llm pikv_lru pikv_lru_plus pikv_flexgen pikv_adakv pikv_duo_attention \
 	pikv_quest snapkv expected_attention streaming_llm knorm
+SCHED_ARGS := --suite ruler --model smollm2 --cache pikv --tasks needle --samples 14 --press $(SCHED_PRESSES) --no-progress
 eval-scheduling: $(STAMP)
-	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval --suite ruler --model smollm2 --cache pikv --tasks needle \
-		--samples 14 --length 2048 4096 --press $(SCHED_PRESSES) --ratio 0.25 0.5 0.75 --no-progress \
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --length 2048 --ratio 0.5 0.75 \
 		--out $(EVAL_RESULTS)/scheduling_smollm2
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --length 4096 --ratio 0.5 \
+		--out $(EVAL_RESULTS)/scheduling_smollm2_4k
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_PAGE1_ARGS) --tasks needle \
 		--length 2048 4096 --press none pikv_h2o_offload_routed --ratio 0.5 --no-progress \
 		--out $(EVAL_RESULTS)/scheduling_offload_routed_smollm2
