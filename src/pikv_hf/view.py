@@ -52,16 +52,25 @@ class DenseView:
         return bool((self.pos == torch.arange(self.pos.shape[-1], device=self.pos.device)).all())
 
 
-def dense_view(store: PagedStore) -> DenseView:
-    """Every occupied slot of ``store`` (valid tokens and stored padding), per (row, head), in position order."""
-    pos = store.frame("pos").to(torch.int64)
+def dense_view(store: PagedStore, *tiers: PagedStore) -> DenseView:
+    """Every occupied slot of ``store`` (valid tokens and stored padding), per (row, head), in position order.
+
+    With ``tiers`` (a layer's cold stores) the view covers them too, their tokens decoded and brought to the store's
+    device; its ``frame_index`` then indexes the store's frame followed by each tier's.
+    """
+    stores = (store, *tiers)
+    pos = torch.cat([s.frame("pos").to(store.device) for s in stores], -1).to(torch.int64)
     occupied = pos >= 0
     order = torch.where(occupied, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
     n = occupied.sum(-1)
     length = int(n.max()) if n.numel() else 0
     order = order[..., :length]
     ok = torch.arange(length, device=pos.device) < n.unsqueeze(-1)
-    keys, values = store.frame_kv()
+    if tiers:
+        decoded = [s.frame_kv() for s in stores]
+        keys, values = (torch.cat([d[i].to(store.device, store.dtype) for d in decoded], 2) for i in (0, 1))
+    else:
+        keys, values = store.frame_kv()
 
     def take(t: torch.Tensor) -> torch.Tensor:
         out = t.gather(2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
@@ -72,7 +81,7 @@ def dense_view(store: PagedStore) -> DenseView:
         values=take(values),
         frame_index=torch.where(ok, order, -1),
         pos=torch.where(ok, pos.gather(2, order), -1),
-        valid=store.frame("valid").gather(2, order) & ok,
+        valid=torch.cat([s.frame("valid").to(store.device) for s in stores], -1).gather(2, order) & ok,
     )
 
 

@@ -130,5 +130,10 @@ class PiKVScorerPress(ScorerPress):
         layer = cache.layers[module.layer_idx]
         view = layer.view()
         scores = self.score(module, hidden_states, view.keys, view.values, output[1], kwargs)
-        evict_lowest(layer, scores, self.compression_ratio, self.shard_budget)
+        evict_lowest(layer, scores, self.layer_ratio(module, view.pos.shape[-1]), self.shard_budget)
         return output
+
+    def layer_ratio(self, module: nn.Module, length: int) -> float:
+        """The ``compression_ratio`` applied to ``module``'s layer of ``length`` tokens (the same for every layer
+        here; layer-wise budgets override it)."""
+        return self.compression_ratio
