@@ -9,6 +9,14 @@ steps, so they are query-aware sparse *reads* of an uncompressed cache: nothing 
 fraction of KV pages a decode step does not read (``1 - k / num_shards`` for routed, ``1 - read_fraction`` for
 Quest); each row also records the fraction actually read.
 
+Compression points (``quant@bits=4``, ``svd@rank=32``, ..., ``quantized_cache@nbits=4``; see
+:mod:`pikv_hf.eval.compression`) run with either cache: the context's uncompressed prefill is recorded once and each
+point compresses a copy of its cache (a ``fork()`` of the PiKVCache, or a copy of the DynamicCache) by replaying the
+press's prefill hooks; the answer is decoded inside the press's context, so a compressor keeps moving tokens out of
+its window. Each compression row records the KV bytes held, the tokens kept per KV head and layer, the press's
+reconstruction error on the context's exact KV, and that it is query-agnostic. ``perplexity_context`` adds the
+perplexity of held-out essay text after a compressed context, per point (``perplexity.jsonl``).
+
 Results: ``predictions.jsonl`` gets one line per finished sample (flushed and fsynced), so an interrupted run
 resumes where it stopped; ``metrics.json`` aggregates them with library versions, git commit, seed and arguments;
 ``score_vs_ratio.png`` is drawn when several ratios were run.
@@ -39,7 +47,9 @@ CACHES = ("dynamic", "pikv")
 ROUTERS = ("round_robin", "expert", "key_cluster")
 SUITES = ("ruler", "longbench")
 PLOT_NAME = "score_vs_ratio.png"
+COMPRESSION_PLOT = "compression.png"
 PREDICTIONS = "predictions.jsonl"
+PERPLEXITY = "perplexity.jsonl"
 METRICS = "metrics.json"
 RUN_CONFIG = "run_config.json"
 ABSTRACT_PRESSES = ("ScorerPress",)  # base classes without a scoring rule
@@ -88,6 +98,11 @@ class EvalConfig:
         Upcycling of ``smollm2-moe``.
     longbench_dir : str or None
         Local LongBench JSONL directory (otherwise ``THUDM/LongBench`` through ``datasets``).
+    perplexity_context : int
+        When > 0: per point, the perplexity of ``perplexity_tokens`` held-out essay tokens after a context of this
+        many held-out tokens, compressed as the point compresses.
+    perplexity_tokens : int
+        Tokens scored for the perplexity.
     """
 
     suite: str
@@ -107,6 +122,8 @@ class EvalConfig:
     num_experts: int = 8
     top_k: int = 2
     longbench_dir: str | None = None
+    perplexity_context: int = 0
+    perplexity_tokens: int = 256
 
     def validate(self) -> None:
         """Check every field; raises ``ValueError`` naming the parameter and the expected values."""
@@ -122,19 +139,27 @@ class EvalConfig:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if not self.presses:
             raise ValueError("press must name at least one press ('none' for no compression)")
+        from pikv_hf.eval import compression
+
+        for press in self.presses:
+            if compression.is_compression(press):
+                compression.build(press)  # its settings checked now, before the model loads
+        others = [p for p in self.presses if p != "none" and not compression.is_compression(p)]
         if self.cache == "pikv":
-            for press in self.presses:
-                if press != "none" and press not in PIKV_MODES:
+            for press in others:
+                if press not in PIKV_MODES:
                     raise ValueError(
-                        f"press: with --cache pikv use none, {' or '.join(PIKV_MODES)}, got {press!r} (kvpress "
-                        "presses inside PiKVCache arrive with the scheduling issue; use --cache dynamic to run them)"
+                        f"press: with --cache pikv use none, {' or '.join(PIKV_MODES)} or a compression spec "
+                        f"({', '.join(compression.COMPRESSORS)}, {compression.QUANTIZED_CACHE}), got {press!r} "
+                        "(kvpress's eviction presses inside PiKVCache arrive with the scheduling issue; use --cache "
+                        "dynamic to run them)"
                     )
-        elif any(press != "none" for press in self.presses):  # kvpress is imported only when a press is asked for
+        elif others:  # kvpress is imported only when a press is asked for
             known = press_names()
-            for press in self.presses:
+            for press in others:
                 if press in PIKV_MODES:
                     raise ValueError(f"press {press!r} is a PiKVCache attention mode: it needs --cache pikv")
-                if press != "none" and press not in known:
+                if press not in known:
                     raise ValueError(f"press must be 'none' or one of {sorted(known)}, got {press!r}")
         if not self.ratios:
             raise ValueError("ratio must be given at least once")
@@ -160,6 +185,8 @@ class EvalConfig:
             )
         if self.longbench_dir is not None and not Path(self.longbench_dir).is_dir():
             raise ValueError(f"longbench_dir must be an existing directory, got {self.longbench_dir!r}")
+        check_int_at_least("perplexity_context", self.perplexity_context, 0)
+        check_int_at_least("perplexity_tokens", self.perplexity_tokens, 2)
 
     def shards(self) -> int | None:
         """PiKVCache's shard count for the named models (None for a ``PATH`` model without ``num_shards``)."""
@@ -186,10 +213,13 @@ class EvalConfig:
         return dataclasses.replace(self.read, attention="routed", top_k_shards=k)
 
     def points(self) -> list[tuple[str, float]]:
-        """(press, ratio) pairs to run: ``none`` once at ratio 0, every other press at every ratio."""
+        """(press, ratio) pairs to run: ``none`` and compression specs once at ratio 0, every other press at every
+        ratio."""
+        from pikv_hf.eval.compression import is_compression
+
         out: list[tuple[str, float]] = []
         for press in self.presses:
-            for ratio in [0.0] if press == "none" else self.ratios:
+            for ratio in [0.0] if press == "none" or is_compression(press) else self.ratios:
                 if (press, ratio) not in out:
                     out.append((press, ratio))
         return out
@@ -394,7 +424,7 @@ class PrefillRecord:
         ``[1, n]`` context token ids.
     """
 
-    def __init__(self, model, context_ids):
+    def __init__(self, model, context_ids, cache=None):
         import torch
         from transformers import DynamicCache
 
@@ -408,21 +438,31 @@ class PrefillRecord:
         for layer in model.model.layers:
             handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
         try:
-            self.cache = DynamicCache()
+            self.cache = DynamicCache() if cache is None else cache
             with torch.no_grad():
                 model.model(input_ids=context_ids, past_key_values=self.cache)
         finally:
             for handle in handles:
                 handle.remove()
 
+    def exact_kv(self) -> list[tuple]:
+        """The context's uncompressed ``(keys, values)`` per layer, ``[B, H, T, D]``."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
     def compressed_cache(self, press=None):
-        """A fresh ``DynamicCache`` holding the context's KV, compressed by ``press`` (a copy when None)."""
+        """A fresh copy of the recorded cache (a ``DynamicCache``, or a ``fork()`` of a ``PiKVCache``) holding the
+        context's KV, compressed by ``press`` (a plain copy when None)."""
         import torch
         from transformers import DynamicCache
 
-        kv = DynamicCache()
-        for i, layer in enumerate(self.cache.layers):
-            kv.update(layer.keys.clone(), layer.values.clone(), i)
+        from pikv_hf import PiKVCache
+
+        if isinstance(self.cache, PiKVCache):
+            kv = self.cache.fork()
+        else:
+            kv = DynamicCache()
+            for i, (keys, values) in enumerate(self.exact_kv()):
+                kv.update(keys.clone(), values.clone(), i)
         if press is not None:
             # entering the press's context does its set-up (post_init_from_model, layer.self_attn.rotary_emb); its
             # hooks stay idle because no forward runs inside
@@ -436,6 +476,8 @@ def replayable(press) -> bool:
     """Whether ``press`` compresses through kvpress's default prefill hook (so :class:`PrefillRecord` applies)."""
     from kvpress import BasePress, DecodingPress, PrefillDecodingPress
 
+    if getattr(press, "replays_prefill_hooks", False):  # PiKV presses whose hooks are declared replay-safe
+        return True
     return (
         press is not None
         and type(press).forward_hook is BasePress.forward_hook
@@ -492,23 +534,163 @@ def answer_from_cache(model, kv, context_len: int, question_ids, max_new_tokens:
     return generated
 
 
+class PointCaches:
+    """The cache of every point for one context: one recorded prefill (a DynamicCache, or with ``--cache pikv`` an
+    exact PiKVCache) serves all of them.
+
+    ``make(press, ratio)`` returns ``(cache, press, info)``: the point's cache, the press to keep active while
+    decoding (compressors; None otherwise) and the row fields measured on the cache (compression points).
+    kvpress presses whose hooks cannot be replayed run their own prefill.
+    """
+
+    def __init__(self, model, config: EvalConfig, context_ids):
+        self.model, self.config, self.context_ids = model, config, context_ids
+        self._recorded: PrefillRecord | None = None
+        self._decoders = None
+
+    def make(self, press_name: str, ratio: float):
+        from pikv_hf.eval import compression
+
+        model, ctx = self.model, self.context_ids
+        for layer in model.model.layers:  # key masks a head-wise press left for another point's cache
+            layer.self_attn.masked_key_indices = None
+        if self.config.cache == "pikv":
+            self._decoders = self._decoders or pikv_decoders(model, self.config, ctx)
+            return self._decoders(press_name, ratio)
+        if compression.is_compression(press_name):
+            self._recorded = self._recorded or PrefillRecord(model, ctx)
+            return compression_point(model, self._recorded, press_name)
+        press = build_press(press_name, ratio)
+        if press is None or replayable(press):
+            self._recorded = self._recorded or PrefillRecord(model, ctx)
+            return self._recorded.compressed_cache(press), None, {}
+        return prefill(model, ctx, press), None, {}
+
+
+def _append_row(handle, row: dict) -> None:
+    """One JSON line, flushed and fsynced (an interrupted run resumes after it)."""
+    handle.write(json.dumps(row) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer) -> list[dict]:
+    """Perplexity of ``perplexity_tokens`` held-out essay tokens after a compressed held-out context of
+    ``perplexity_context`` tokens, per point (resumable: one line per point in ``path``); [] when off."""
+    if not config.perplexity_context:
+        return []
+    from pikv_hf.eval import compression
+
+    done = {(r["press"], r["ratio"]): r for r in _read_predictions(path)}
+    pending = [(p, r) for p, r in points if (p, r) not in done]
+    if pending:
+        model, tokenizer, _ = model_and_tokenizer()
+        context = config.perplexity_context
+        ids = compression.held_out_ids(tokenizer, context + config.perplexity_tokens)
+        caches = PointCaches(model, config, ids[:, :context])
+        with path.open("a", encoding="utf-8") as handle:
+            for press_name, ratio in pending:
+                kv, press, info = caches.make(press_name, ratio)
+                with press(model) if press is not None else contextlib.nullcontext():
+                    nll, count = compression.continuation_nll(model, kv, ids[:, context:], context)
+                row = {
+                    "press": press_name,
+                    "ratio": ratio,
+                    "context_tokens": context,
+                    "tokens": count,
+                    "nll": round(nll, 4),
+                    "perplexity": round(compression.perplexity_of(nll, count), 4),
+                    **{k: v for k, v in info.items() if k in ("kv_bytes", "simulated", "kept_per_kv_head")},
+                }
+                _append_row(handle, row)
+                done[(press_name, ratio)] = row
+    return [done[p] for p in points]
+
+
+def _compression_summary(rows: list[dict]) -> list[dict]:
+    """Per compression point: mean KV bytes, reconstruction error, tokens kept per KV head and layer (mean over its
+    rows), whether simulated, and that it is query-agnostic."""
+    from collections import defaultdict
+
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        if "kv_bytes" in row:
+            groups[(row["press"], row["ratio"], row["length"])].append(row)
+    out = []
+    for (press, ratio, length), rs in sorted(groups.items()):
+        errors = [r["reconstruction_error"] for r in rs if r.get("reconstruction_error")]
+        kept = [r["kept_per_kv_head"] for r in rs]
+        out.append(
+            {
+                "press": press,
+                "ratio": ratio,
+                "length": length,
+                "n": len(rs),
+                "kv_bytes": sum(r["kv_bytes"] for r in rs) / len(rs),
+                "simulated": rs[0]["simulated"],
+                "query_agnostic": True,
+                "kept_per_kv_head": [round(sum(k[i] for k in kept) / len(kept), 2) for i in range(len(kept[0]))],
+                "reconstruction_error": None
+                if not errors
+                else {side: sum(e[side] for e in errors) / len(errors) for side in ("keys", "values")},
+            }
+        )
+    return out
+
+
+def answer_in_press(model, press, kv, context_ids, question_ids, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """:func:`answer_from_cache`, inside ``press``'s context when one is given (a compressor keeps compressing the
+    tokens that leave its window while the answer is decoded, as kvpress's pipeline runs a decoding press)."""
+    with press(model) if press is not None else contextlib.nullcontext():
+        return answer_from_cache(model, kv, int(context_ids.shape[1]), question_ids, max_new_tokens, eos_ids)
+
+
 def pikv_decoders(model, config: EvalConfig, context_ids):
-    """Prefill the context once into an exact ``PiKVCache``; return ``make(point) -> cache`` for the points.
+    """Prefill the context once into an exact ``PiKVCache``; return ``make(point) -> (cache, press, info)``.
 
     Each call forks the prefilled cache and sets the point's decode attention: ``none`` exact, ``pikv_routed``
-    ``top_k_shards = (1 - ratio) * num_shards``, ``pikv_quest`` ``read_fraction = 1 - ratio``.
+    ``top_k_shards = (1 - ratio) * num_shards``, ``pikv_quest`` ``read_fraction = 1 - ratio`` (press None, no
+    info); a compression point is :func:`compression_point` of the recorded prefill.
     """
     from pikv_hf import PiKVCache
+    from pikv_hf.eval import compression
 
     base = PiKVCache(model, router=config.router, num_shards=config.num_shards, page_size=config.page_size)
-    prefill(model, context_ids, None, base)
+    if any(compression.is_compression(p) for p in config.presses):
+        record = PrefillRecord(model, context_ids, base)  # the compression points replay its hooks on a fork
+    else:
+        record = None
+        prefill(model, context_ids, None, base)
 
     def make(press_name: str, ratio: float):
+        if compression.is_compression(press_name):
+            return compression_point(model, record, press_name)
         cache = base.fork()
         cache.set_attention(config.point_read(press_name, ratio, cache.num_shards))
-        return cache
+        return cache, None, {}
 
     return make
+
+
+def compression_point(model, record: PrefillRecord, spec: str):
+    """``(cache, press, info)`` of a compression point: the recorded context's cache compressed by the spec's press
+    (or a QuantizedCache of its exact KV), and the row fields measured on it (see :mod:`pikv_hf.eval.compression`)."""
+    from pikv_hf import PiKVCache
+    from pikv_hf.eval import compression
+
+    press = compression.build(spec)
+    if press is None:
+        kv = compression.quantized_cache(spec, model, record.exact_kv())
+    else:
+        kv = record.compressed_cache(press)
+    info = {
+        "kv_bytes": compression.kv_bytes(kv),
+        "simulated": not isinstance(kv, PiKVCache) and press is not None,
+        "query_agnostic": True,
+        "kept_per_kv_head": [round(x, 2) for x in compression.kept_per_kv_head(kv)],
+        "reconstruction_error": compression.reconstruction_error(press, record.exact_kv()),
+    }
+    return kv, press, info
 
 
 def _read_predictions(path: Path) -> list[dict]:
@@ -750,13 +932,22 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
+    from pikv_hf.eval import compression
+
     torch.manual_seed(config.seed)
     hf_logging.disable_progress_bar()
     _warn_once(logging.getLogger("kvpress.presses.base_press"))
     previous = out / METRICS
     model_info: dict[str, Any] = json.loads(previous.read_text()).get("model_info", {}) if previous.is_file() else {}
+    loaded: list = []
+
+    def model_and_tokenizer():
+        if not loaded:
+            loaded.extend(load_model(config))
+        return loaded
+
     if pending:
-        model, tokenizer, model_info = load_model(config)
+        model, tokenizer, model_info = model_and_tokenizer()
         builder = PromptBuilder(tokenizer)
         eos_ids = _eos_ids(model, tokenizer)
         if config.suite == "ruler":
@@ -774,18 +965,17 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                 else:
                     example = longbench.build_example(lb_tasks[task][index], task, builder, length)
                     record, (ctx_ids, q_ids), max_new = example["record"], example["ids"], example["max_new_tokens"]
-                recorded = decoders = None
+                caches = PointCaches(model, config, ctx_ids)
                 for press_name, ratio in points:
                     key = row_key(press_name, ratio, length, task, index)
                     if key in done:
                         continue
-                    press = None if config.cache == "pikv" else build_press(press_name, ratio)
                     started = time.perf_counter()
-                    read = {}
-                    if config.cache == "pikv":
-                        decoders = decoders or pikv_decoders(model, config, ctx_ids)
-                        kv = decoders(press_name, ratio)
-                        generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
+                    kv, press, read = caches.make(press_name, ratio)
+                    generated = answer_in_press(model, press, kv, ctx_ids, q_ids, max_new, eos_ids)
+                    if compression.is_compression(press_name):
+                        kept = round(sum(read["kept_per_kv_head"]) / len(read["kept_per_kv_head"]))
+                    elif config.cache == "pikv":
                         kept = int(ctx_ids.shape[1])
                         if kv.read.sparse:
                             stats = kv.routing_stats()["overall"]
@@ -795,13 +985,7 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                                 "kv_read_vs_dense": round(stats["kv_read_vs_dense"], 4),
                             }
                     else:
-                        if press is None or replayable(press):
-                            recorded = recorded or PrefillRecord(model, ctx_ids)
-                            kv = recorded.compressed_cache(press)
-                        else:
-                            kv = prefill(model, ctx_ids, press)
                         kept = int(kv.layers[0].keys.shape[-2])
-                        generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
                     seconds = time.perf_counter() - started
                     prediction = tokenizer.decode(generated, skip_special_tokens=True)
                     if config.suite == "ruler":
@@ -825,13 +1009,14 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                         "depths": record.get("depths", []),
                         **read,
                     }
-                    handle.write(json.dumps(row) + "\n")
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                    _append_row(handle, row)
                     done[key] = row
                     bar.update(1)
                     bar.set_postfix(task=task, press=press_name, ratio=ratio, score=f"{score:.2f}")
         bar.close()
+    perplexity = _perplexity_rows(config, points, out / PERPLEXITY, model_and_tokenizer)
+    if loaded:
+        model_info = loaded[2]
     rows = [row for key, row in done.items() if key in wanted]
     summary = summarise(rows)
     metrics = {
@@ -850,7 +1035,14 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
         "mean_seconds_per_sample": (sum(r["seconds"] for r in rows) / len(rows)) if rows else None,
         **summary,
     }
+    if any(compression.is_compression(p) for p in config.presses) or perplexity:
+        metrics["per_length"] = compression.per_length(rows)
+        metrics["compression"] = _compression_summary(rows)
+        metrics["perplexity"] = perplexity
     (out / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+    if "per_length" in metrics:
+        title = f"{config.suite} {config.model}, {config.cache} cache ({', '.join(tasks)})"
+        compression.plot(metrics["per_length"], perplexity, out / COMPRESSION_PLOT, title)
     if len({p["ratio"] for p in summary["per_point"] if p["press"] != "none"}) > 1:
         plot_score_vs_ratio(
             summary["per_point"], out / PLOT_NAME, f"{config.suite} {config.model} ({', '.join(tasks)})"

@@ -20,7 +20,6 @@ what is kept (a selection of a layer that already holds a compressed tier is ref
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -132,8 +131,8 @@ class CompressorPress(PrefillDecodingPress):
     def __post_init__(self) -> None:
         check_int_at_least("window", self.window, 0)
         self.check()
-        self._codecs: dict[int, Codec] = {}
-        self._simulated: dict[int, int] = {}
+        self._codecs: dict[int, Codec] = {}  # DynamicCache simulation: per layer, since its prefill
+        self._simulated: dict[int, int] = {}  # DynamicCache simulation: tokens reconstructed per layer
 
     # ------------------------------------------------------------------ what a compressor defines
     @property
@@ -155,15 +154,7 @@ class CompressorPress(PrefillDecodingPress):
 
     # ------------------------------------------------------------------ kvpress protocol
     def post_init_from_model(self, model: nn.Module) -> None:
-        self.setup(model)
-        self._codecs = {}
-        self._simulated = {}
-
-    def codec(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> Codec:
-        """Layer ``layer_idx``'s codec, built from the first tokens it compresses and kept for the press's life."""
-        if layer_idx not in self._codecs:
-            self._codecs[layer_idx] = self.build_codec(layer_idx, keys, values)
-        return self._codecs[layer_idx]
+        self.setup(model)  # the simulation's state is kept: kvpress's pipeline enters the press again to decode
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs["past_key_values"]
@@ -179,8 +170,8 @@ class CompressorPress(PrefillDecodingPress):
         n = self._span(keys.shape[2], 0)
         if n == 0:
             return keys, values
-        k_hat, v_hat = roundtrip(self.codec(module.layer_idx, keys[:, :, :n], values[:, :, :n]), keys[:, :, :n],
-                                 values[:, :, :n], self.page_size)  # fmt: skip
+        k, v = keys[:, :, :n], values[:, :, :n]
+        k_hat, v_hat = roundtrip(self.build_codec(module.layer_idx, k, v), k, v, self.page_size)
         return torch.cat([k_hat, keys[:, :, n:]], 2), torch.cat([v_hat, values[:, :, n:]], 2)
 
     # ------------------------------------------------------------------ the two caches
@@ -192,13 +183,16 @@ class CompressorPress(PrefillDecodingPress):
         """DynamicCache: reconstruct, in place, the whole pages of tokens that left the window since the last call."""
         if prefilling:
             self._simulated[layer_idx] = 0
+            self._codecs.pop(layer_idx, None)
         done = self._simulated.get(layer_idx, 0)
         keys, values = layer.keys, layer.values
         n = self._span(keys.shape[2], done)
         if n == 0:
             return
         span = slice(done, done + n)
-        codec = self.codec(layer_idx, keys[:, :, span], values[:, :, span])
+        if layer_idx not in self._codecs:  # built from the first tokens compressed, kept for the decode steps
+            self._codecs[layer_idx] = self.build_codec(layer_idx, keys[:, :, span], values[:, :, span])
+        codec = self._codecs[layer_idx]
         k_hat, v_hat = roundtrip(codec, keys[:, :, span], values[:, :, span], self.page_size)
         keys[:, :, span] = k_hat.to(keys.dtype)
         values[:, :, span] = v_hat.to(values.dtype)
@@ -217,7 +211,7 @@ class CompressorPress(PrefillDecodingPress):
         if TIER not in layer.tiers:
             keys, values = st.frame_kv()
             mask = ~old.unsqueeze(-1)
-            codec = self.codec(layer.layer_idx, keys.masked_fill(mask, 0), values.masked_fill(mask, 0))
+            codec = self.build_codec(layer.layer_idx, keys.masked_fill(mask, 0), values.masked_fill(mask, 0))
             layer.tier(TIER, codec, page_size=self.page_size)
         layer.move_to_tier(TIER, ~old)
 
@@ -225,15 +219,9 @@ class CompressorPress(PrefillDecodingPress):
     def reconstruction_error(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0) -> dict[str, float]:
         """``||K - D(E(K))|| / ||K||`` and the same for values, of ``[B, H, T, D]`` tensors through layer
         ``layer_idx``'s codec, in pages of ``page_size`` consecutive tokens."""
-        k_hat, v_hat = roundtrip(self.codec(layer_idx, keys, values), keys, values, self.page_size)
+        k_hat, v_hat = roundtrip(self.build_codec(layer_idx, keys, values), keys, values, self.page_size)
         return {"keys": relative_error(keys, k_hat), "values": relative_error(values, v_hat)}
 
     def report(self, cache: PiKVCache) -> dict:
         """:func:`cache_report` of a ``PiKVCache`` this press compressed."""
         return cache_report(cache)
-
-    @staticmethod
-    def bytes_ratio(report: dict, heads: int, head_dim: int, itemsize: int = 2) -> float:
-        """``report``'s bytes per token over a dense cache's (``2 * H * D * itemsize`` per layer)."""
-        layers = len(report["layers"])
-        return report["bytes_per_token"] / (layers * 2 * heads * head_dim * itemsize) if layers else math.nan

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from kvpress.presses.scorer_press import ScorerPress
@@ -41,7 +42,7 @@ class PyramidPress(PiKVScorerPress):
     in the upper ones, where it concentrates; the total over layers is what a uniform ``compression_ratio`` keeps.
 
     On a ``PiKVCache`` the evicted bytes are freed (per shard with ``shard_budget="proportional"``); on a
-    ``DynamicCache`` it prunes as kvpress's ``ScorerPress`` does.
+    ``DynamicCache`` they are masked as kvpress's ``AdaKVPress`` masks head-wise budgets (:meth:`compress`).
 
     Parameters
     ----------
@@ -57,6 +58,7 @@ class PyramidPress(PiKVScorerPress):
 
     scorer: ScorerPress = field(default_factory=SnapKVPress)
     slope: float = 0.5
+    replays_prefill_hooks: ClassVar[bool] = True  # its prefill hook may be replayed on a copy of the cache (eval)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,11 +83,15 @@ class PyramidPress(PiKVScorerPress):
         return 0.0 if kept >= length else 1 - (kept + 0.5) / length  # compute_n_kept(length, ratio) == kept
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        """DynamicCache: layers of different lengths cannot share the model's one attention mask, so the evicted
+        tokens are masked instead, as kvpress's ``AdaKVPress`` does (``module.masked_key_indices``: kvpress's
+        attention patch gives them fake keys with zero attention while decoding); the cache keeps its tensors."""
         if self.compression_ratio == 0:
             return keys, values
-        kept = self.budget(module, keys.shape[2])
+        b, h, t, _ = keys.shape
         scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
-        index = scores.topk(kept, dim=-1).indices
-        k_index = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        v_index = index.unsqueeze(-1).expand(-1, -1, -1, values.shape[-1])
-        return keys.gather(2, k_index).contiguous(), values.gather(2, v_index).contiguous()
+        drop = scores.topk(t - self.budget(module, t), dim=-1, largest=False).indices  # [B, H, n]
+        rows = torch.arange(b, device=drop.device).view(b, 1, 1).expand_as(drop)
+        heads = torch.arange(h, device=drop.device).view(1, h, 1).expand_as(drop)
+        module.masked_key_indices = (rows.reshape(-1), heads.reshape(-1), drop.reshape(-1))
+        return keys, values
