@@ -67,7 +67,7 @@ def calibration_ids(tokenizer, tokens: int) -> torch.Tensor:
     from pikv_hf.eval.ruler import essay_sentences
 
     sentences = essay_sentences()
-    text = " ".join(sentences[: len(sentences) // 2])
+    text = " ".join(sentences[: len(sentences) // 2])[: 8 * tokens]  # > 8 characters per token is rare
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :tokens]
     if ids.shape[1] < tokens:
         raise ValueError(f"tokens: the calibration text holds {ids.shape[1]} tokens, asked for {tokens}")
@@ -149,14 +149,17 @@ def lora_map(x: torch.Tensor, rank: int, bias: bool, steps: int, seed: int = 0) 
         return AffineMap(a / s, b * s, a_bias[:, 0], b_bias[:, 0] * s2)
 
 
-def distill_maps(layer: dict[str, torch.Tensor], rank: int, steps: int, tokens: int) -> tuple[AffineMap, AffineMap]:
-    """Key and value maps of one layer trained to preserve its causal attention over the first ``tokens`` recorded
-    tokens: ``KL(softmax(q k^T) || softmax(q k^^T))`` plus ``||o - o^||^2 / ||o||^2`` of the outputs, from the SVD."""
-    q, k, v = (layer[n][:, :tokens] for n in ("queries", "keys", "values"))
+def distill_maps(
+    layer: dict[str, torch.Tensor], rank: int, steps: int, tokens: int, queries: int
+) -> tuple[AffineMap, AffineMap]:
+    """Key and value maps of one layer trained to preserve its causal attention: the last ``queries`` of the first
+    ``tokens`` recorded positions attend to the keys before them, and the loss is
+    ``KL(softmax(q k^T) || softmax(q k^^T))`` plus ``||o - o^||^2 / ||o||^2`` of the outputs; started from the SVD."""
+    k, v = layer["keys"][:, :tokens], layer["values"][:, :tokens]
     h, t, d = k.shape
-    g = q.shape[0] // h
-    qg = q.view(h, g, t, d)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    q = layer["queries"][:, t - queries : t]
+    qg = q.reshape(h, q.shape[0] // h, queries, d)  # query heads grouped by KV head
+    causal = torch.arange(t) <= torch.arange(t - queries, t).unsqueeze(-1)  # [queries, t]
     scale = d**-0.5
 
     def attention(keys, values):
@@ -166,10 +169,7 @@ def distill_maps(layer: dict[str, torch.Tensor], rank: int, steps: int, tokens: 
 
     with torch.no_grad():
         full_logp, full_o = attention(k, v)
-    params = []
-    for x in (k, v):
-        m = svd_map(x, rank)
-        params.append([t_.clone().requires_grad_() for t_ in m.tensors()])
+    params = [[t_.clone().requires_grad_() for t_ in svd_map(x, rank).tensors()] for x in (k, v)]
 
     def apply(p, x):
         return ((x @ p[0] + p[2].unsqueeze(1)) @ p[1]) + p[3].unsqueeze(1)
@@ -184,16 +184,24 @@ def distill_maps(layer: dict[str, torch.Tensor], rank: int, steps: int, tokens: 
 
 
 def fit(
-    method: str, layers: list[dict[str, torch.Tensor]], rank: int, steps: int = 300, distill_tokens: int = 768
+    method: str,
+    layers: list[dict[str, torch.Tensor]],
+    rank: int,
+    steps: int = 300,
+    distill_tokens: int = 512,
+    distill_queries: int = 256,
 ) -> list[tuple[AffineMap, AffineMap]]:
-    """``(key map, value map)`` per layer of recorded ``layers`` (see :func:`record`); ``svd`` keeps every rank."""
+    """``(key map, value map)`` per layer of recorded ``layers`` (see :func:`record`); ``svd`` keeps every rank,
+    ``distill`` trains ``steps // 3`` steps on the attention of ``distill_queries`` queries over ``distill_tokens``
+    tokens (its steps cost the most)."""
     check_method(method)
     out = []
     for layer in layers:
         if method == "svd":
             out.append((svd_map(layer["keys"]), svd_map(layer["values"])))
         elif method == "distill":
-            out.append(distill_maps(layer, rank, steps // 2, distill_tokens))
+            t = min(distill_tokens, layer["keys"].shape[1])
+            out.append(distill_maps(layer, rank, steps // 3, t, min(distill_queries, t)))
         else:
             bias = method == "lora_plus"
             out.append(tuple(lora_map(layer[side], rank, bias, steps) for side in SIDES))

@@ -109,13 +109,13 @@ def kv_bytes(kv) -> int:
 
     if isinstance(kv, PiKVCache):
         return kv.kv_nbytes()
-    total = 0
-    for layer in kv.layers:
-        for name in ("_quantized_keys", "_quantized_values", "keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += tensor_nbytes(t)
-    return total
+    return sum(layer_nbytes(layer) for layer in kv.layers)
+
+
+def layer_nbytes(layer) -> int:
+    """Key/value bytes of one ``DynamicCache`` / ``QuantizedCache`` layer (quantised tensors and residual)."""
+    tensors = (getattr(layer, n, None) for n in ("_quantized_keys", "_quantized_values", "keys", "values"))
+    return sum(tensor_nbytes(t) for t in tensors if isinstance(t, torch.Tensor))
 
 
 def kept_per_kv_head(kv) -> list[float]:
@@ -141,11 +141,8 @@ def held_out_ids(tokenizer, tokens: int) -> torch.Tensor:
     from pikv_hf.eval.ruler import essay_sentences
 
     sentences = essay_sentences()
-    tail = sentences[len(sentences) // 2 :]
-    text, start = "", len(tail)
-    while len(tokenizer.encode(text)) < tokens and start > 0:
-        start = max(0, start - 200)
-        text = " ".join(tail[start:])
+    text = " ".join(sentences[len(sentences) // 2 :])
+    text = text[-8 * tokens :].split(" ", 1)[-1]  # whole words; > 8 characters per token is rare
     ids = tokenizer(text, return_tensors="pt").input_ids[:, -tokens:]
     if ids.shape[1] < tokens:
         raise ValueError(f"perplexity: the held-out text holds {ids.shape[1]} tokens, asked for {tokens}")
