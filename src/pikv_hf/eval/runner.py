@@ -14,8 +14,9 @@ Compression points (``quant@bits=4``, ``svd@rank=32``, ..., ``quantized_cache@nb
 point compresses a copy of its cache (a ``fork()`` of the PiKVCache, or a copy of the DynamicCache) by replaying the
 press's prefill hooks; the answer is decoded inside the press's context, so a compressor keeps moving tokens out of
 its window. Each compression row records the KV bytes held, the tokens kept per KV head and layer, the press's
-reconstruction error on the context's exact KV, and that it is query-agnostic. ``perplexity_context`` adds the
-perplexity of held-out essay text after a compressed context, per point (``perplexity.jsonl``).
+reconstruction error on the context's exact KV (for the first sample of each task) and that it is query-agnostic.
+``perplexity_context`` adds the perplexity of held-out essay text after a compressed context, per point
+(``perplexity.jsonl``).
 
 Results: ``predictions.jsonl`` gets one line per finished sample (flushed and fsynced), so an interrupted run
 resumes where it stopped; ``metrics.json`` aggregates them with library versions, git commit, seed and arguments;
@@ -539,12 +540,12 @@ class PointCaches:
     exact PiKVCache) serves all of them.
 
     ``make(press, ratio)`` returns ``(cache, press, info)``: the point's cache, the press to keep active while
-    decoding (compressors; None otherwise) and the row fields measured on the cache (compression points).
-    kvpress presses whose hooks cannot be replayed run their own prefill.
+    decoding (compressors; None otherwise) and the row fields measured on the cache (compression points; their
+    reconstruction error only with ``errors``). kvpress presses whose hooks cannot be replayed run their own prefill.
     """
 
-    def __init__(self, model, config: EvalConfig, context_ids):
-        self.model, self.config, self.context_ids = model, config, context_ids
+    def __init__(self, model, config: EvalConfig, context_ids, errors: bool = True):
+        self.model, self.config, self.context_ids, self.errors = model, config, context_ids, errors
         self._recorded: PrefillRecord | None = None
         self._decoders = None
 
@@ -555,11 +556,11 @@ class PointCaches:
         for layer in model.model.layers:  # key masks a head-wise press left for another point's cache
             layer.self_attn.masked_key_indices = None
         if self.config.cache == "pikv":
-            self._decoders = self._decoders or pikv_decoders(model, self.config, ctx)
+            self._decoders = self._decoders or pikv_decoders(model, self.config, ctx, self.errors)
             return self._decoders(press_name, ratio)
         if compression.is_compression(press_name):
             self._recorded = self._recorded or PrefillRecord(model, ctx)
-            return compression_point(model, self._recorded, press_name)
+            return compression_point(model, self._recorded, press_name, self.errors)
         press = build_press(press_name, ratio)
         if press is None or replayable(press):
             self._recorded = self._recorded or PrefillRecord(model, ctx)
@@ -587,7 +588,7 @@ def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer
         model, tokenizer, _ = model_and_tokenizer()
         context = config.perplexity_context
         ids = compression.held_out_ids(tokenizer, context + config.perplexity_tokens)
-        caches = PointCaches(model, config, ids[:, :context])
+        caches = PointCaches(model, config, ids[:, :context], errors=False)
         with path.open("a", encoding="utf-8") as handle:
             for press_name, ratio in pending:
                 kv, press, info = caches.make(press_name, ratio)
@@ -645,7 +646,7 @@ def answer_in_press(model, press, kv, context_ids, question_ids, max_new_tokens:
         return answer_from_cache(model, kv, int(context_ids.shape[1]), question_ids, max_new_tokens, eos_ids)
 
 
-def pikv_decoders(model, config: EvalConfig, context_ids):
+def pikv_decoders(model, config: EvalConfig, context_ids, errors: bool = True):
     """Prefill the context once into an exact ``PiKVCache``; return ``make(point) -> (cache, press, info)``.
 
     Each call forks the prefilled cache and sets the point's decode attention: ``none`` exact, ``pikv_routed``
@@ -664,7 +665,7 @@ def pikv_decoders(model, config: EvalConfig, context_ids):
 
     def make(press_name: str, ratio: float):
         if compression.is_compression(press_name):
-            return compression_point(model, record, press_name)
+            return compression_point(model, record, press_name, errors)
         cache = base.fork()
         cache.set_attention(config.point_read(press_name, ratio, cache.num_shards))
         return cache, None, {}
@@ -672,9 +673,10 @@ def pikv_decoders(model, config: EvalConfig, context_ids):
     return make
 
 
-def compression_point(model, record: PrefillRecord, spec: str):
+def compression_point(model, record: PrefillRecord, spec: str, errors: bool = True):
     """``(cache, press, info)`` of a compression point: the recorded context's cache compressed by the spec's press
-    (or a QuantizedCache of its exact KV), and the row fields measured on it (see :mod:`pikv_hf.eval.compression`)."""
+    (or a QuantizedCache of its exact KV), and the row fields measured on it (see :mod:`pikv_hf.eval.compression`;
+    the reconstruction error, which costs a round trip of every layer, only with ``errors``)."""
     from pikv_hf import PiKVCache
     from pikv_hf.eval import compression
 
@@ -688,7 +690,7 @@ def compression_point(model, record: PrefillRecord, spec: str):
         "simulated": not isinstance(kv, PiKVCache) and press is not None,
         "query_agnostic": True,
         "kept_per_kv_head": [round(x, 2) for x in compression.kept_per_kv_head(kv)],
-        "reconstruction_error": compression.reconstruction_error(press, record.exact_kv()),
+        "reconstruction_error": compression.reconstruction_error(press, record.exact_kv()) if errors else None,
     }
     return kv, press, info
 
@@ -965,27 +967,27 @@ def run_eval(config: EvalConfig, progress: bool = True) -> dict:
                 else:
                     example = longbench.build_example(lb_tasks[task][index], task, builder, length)
                     record, (ctx_ids, q_ids), max_new = example["record"], example["ids"], example["max_new_tokens"]
-                caches = PointCaches(model, config, ctx_ids)
+                caches = PointCaches(model, config, ctx_ids, errors=index == 0)  # errors: first sample per task
                 for press_name, ratio in points:
                     key = row_key(press_name, ratio, length, task, index)
                     if key in done:
                         continue
                     started = time.perf_counter()
                     kv, press, read = caches.make(press_name, ratio)
-                    generated = answer_in_press(model, press, kv, ctx_ids, q_ids, max_new, eos_ids)
                     if compression.is_compression(press_name):
                         kept = round(sum(read["kept_per_kv_head"]) / len(read["kept_per_kv_head"]))
                     elif config.cache == "pikv":
                         kept = int(ctx_ids.shape[1])
-                        if kv.read.sparse:
-                            stats = kv.routing_stats()["overall"]
-                            read = {
-                                "fraction_pages_read": round(stats["fraction_pages_read"], 4),
-                                "fraction_tokens_attended": round(stats["fraction_tokens_attended"], 4),
-                                "kv_read_vs_dense": round(stats["kv_read_vs_dense"], 4),
-                            }
                     else:
                         kept = int(kv.layers[0].keys.shape[-2])
+                    generated = answer_in_press(model, press, kv, ctx_ids, q_ids, max_new, eos_ids)
+                    if config.cache == "pikv" and not compression.is_compression(press_name) and kv.read.sparse:
+                        stats = kv.routing_stats()["overall"]
+                        read = {
+                            "fraction_pages_read": round(stats["fraction_pages_read"], 4),
+                            "fraction_tokens_attended": round(stats["fraction_tokens_attended"], 4),
+                            "kv_read_vs_dense": round(stats["kv_read_vs_dense"], 4),
+                        }
                     seconds = time.perf_counter() - started
                     prediction = tokenizer.decode(generated, skip_special_tokens=True)
                     if config.suite == "ruler":

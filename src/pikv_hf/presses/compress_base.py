@@ -85,8 +85,9 @@ def cache_report(cache: PiKVCache) -> dict:
     dict
         ``layers``: per layer ``tokens`` (per (row, KV head), mean), ``compressed_tokens`` (in the compressed tier),
         ``kv_bytes`` (``layer.kv_nbytes()``: every store on the device), ``compressed_bytes`` (the tier's) and
-        ``bytes_per_token`` (``kv_bytes`` per sequence token and batch row, all KV heads: the figure a
-        ``DynamicCache`` holds as ``2 * H * D * itemsize``); ``kv_bytes`` and ``bytes_per_token`` over all layers.
+        ``bytes_per_token`` (``kv_bytes`` per sequence position seen and batch row, all KV heads: the figure a
+        ``DynamicCache`` holds as ``2 * H * D * itemsize``, so eviction lowers it too); ``kv_bytes`` and
+        ``bytes_per_token`` over all layers.
     """
     layers = []
     for layer in cache.layers:
@@ -103,7 +104,7 @@ def cache_report(cache: PiKVCache) -> dict:
                 "compressed_tokens": 0 if tier is None else int(tier.tokens_per_shard().sum()) / rows_heads,
                 "kv_bytes": kv,
                 "compressed_bytes": 0 if tier is None else tier.kv_nbytes(),
-                "bytes_per_token": kv / max(tokens, 1e-9) / st.batch,
+                "bytes_per_token": kv / max(layer.get_seq_length(), 1) / st.batch,
             }
         )
     total = sum(la["kv_bytes"] for la in layers)
