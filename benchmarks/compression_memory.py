@@ -15,20 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
+from pathlib import Path
 
 import torch
+from bench_cache import run_metadata, write_result
 
 from pikv_hf import PiKVCache
 from pikv_hf.eval import compression
 from pikv_hf.presses import cache_report, evict_lowest
 
-SETTINGS = [
-    "quant@bits=8,group_size=64",
+SETTINGS = [  # the settings of make eval-compression, then a few more
     "quant@bits=4,group_size=64",
-    "quant@bits=4,group_size=64,key_group_size=128",
     "quant@bits=2,group_size=64",
+    "quant@bits=8,group_size=64",
+    "quant@bits=4,group_size=64,key_group_size=128",
     "quant@bits=2,group_size=64,key_group_size=128",
     "svd@rank=32",
     "svd@rank=16",
@@ -38,14 +39,17 @@ SETTINGS = [
     "lora_plus@rank=16",
     "distill@rank=32",
     "distill@rank=16",
+    "chunk_pca@rank=32",
     "chunk_pca@rank=16",
     "chunk_pca@rank=8",
+    "pyramid@compression_ratio=0.25",
+    "pyramid@compression_ratio=0.5",
+    "pyramid@compression_ratio=0.75",
+    "fastv_crop@channels=56",
     "fastv_crop@channels=48",
     "fastv_crop@channels=32",
     "channel_prune@channel_ratio=0.25",
     "channel_prune@channel_ratio=0.5",
-    "pyramid@compression_ratio=0.5",
-    "pyramid@compression_ratio=0.75",
     "quantized_cache@nbits=4",
     "quantized_cache@nbits=2",
 ]
@@ -136,14 +140,10 @@ def main() -> None:
         "compressed page is partly empty), 1 shows the codec alone; pyramid evicts (tokens scored by key norm, "
         "layer budgets of PyramidPress); quantized_cache is transformers' QuantizedCache(backend='quanto') filled "
         "with the same KV (its residual empty at fill)",
-        "platform": platform.platform(),
-        "torch": torch.__version__,
+        **run_metadata(1),
         "rows": rows,
     }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_result(Path(args.out), out)
 
 
 if __name__ == "__main__":

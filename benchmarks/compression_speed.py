@@ -3,7 +3,7 @@
 
 Each cache is filled with the same context KV (random, fp32: decode speed does not depend on the values; a 16k
 prefill of the model would take minutes here), then ``--steps`` greedy decode steps of the whole model are timed
-(``--repeats`` times from copies of the filled cache; median step). PiKVCache runs exact (identity pages) and with
+(``--repeats`` times, each from a fresh fill; median step). PiKVCache runs exact (identity pages) and with
 ``QuantPress`` (4 bits, groups of 64, the last 128 tokens exact: the torch backend dequantises the tier's pages on
 every read), QuantizedCache with quanto at 4 bits, groups of 64, residual 128 (it dequantises its whole cache every
 step). ``python benchmarks/compression_speed.py --out benchmarks/results/compression_speed_cpu.json``
@@ -13,13 +13,13 @@ step). ``python benchmarks/compression_speed.py --out benchmarks/results/compres
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
+from bench_cache import run_metadata, write_result
 from transformers import DynamicCache
 
 from pikv_hf import PiKVCache
@@ -81,11 +81,10 @@ def main() -> None:
         kv = [tuple(torch.randn(shape, generator=gen) for _ in "kv") for _ in range(cfg.num_hidden_layers)]
         medians = {}
         for kind in CACHES:
-            filled = fill(kind, model, kv, args.bits)
-            nbytes = compression.kv_bytes(filled)
             samples = []
-            for _ in range(args.repeats):
-                cache = filled.fork() if isinstance(filled, PiKVCache) else copy.deepcopy(filled)
+            for _ in range(args.repeats):  # a fresh fill each time (quanto's tensors cannot be copied)
+                cache = fill(kind, model, kv, args.bits)
+                nbytes = compression.kv_bytes(cache)
                 samples += time_steps(model, cache, context, args.steps)[1:]  # the first step warms up
             medians[kind] = statistics.median(samples)
             rows.append(
@@ -97,8 +96,8 @@ def main() -> None:
                     "steps_timed": len(samples),
                 }
             )
-            if isinstance(filled, PiKVCache):
-                filled.detach()
+            if isinstance(cache, PiKVCache):
+                cache.detach()
             print(json.dumps(rows[-1]), flush=True)
         for row in rows:
             if row["context"] == context:
@@ -108,15 +107,10 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct, fp32, one greedy decode step of the whole model",
         "settings": f"{args.bits}-bit, groups of 64, residual / window 128; {args.steps - 1} timed steps x "
         f"{args.repeats} repeats per cache, {args.threads} thread(s)",
-        "device": "cpu",
-        "platform": platform.platform(),
-        "torch": torch.__version__,
+        **run_metadata(args.threads),
         "rows": rows,
     }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_result(Path(args.out), out)
 
 
 if __name__ == "__main__":

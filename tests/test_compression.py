@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from pikv_hf import PiKVCache
 from pikv_hf.codecs import fit
+from pikv_hf.distributed import ShardPlan
 from pikv_hf.presses import (
     ChannelPrunePress,
     ChunkPCAPress,
@@ -103,6 +104,16 @@ def test_quantised_tier_holds_exactly_the_dense_kivi_reconstruction(model, bits)
     err = press.reconstruction_error(keys[:, :, :80], values[:, :, :80])
     assert err["keys"] == pytest.approx(_rel(keys[:, :, :80], k_ref), rel=1e-4)
     assert err["values"] == pytest.approx(_rel(values[:, :, :80], v_ref), rel=1e-4)
+
+
+def test_kvpress_compress_reconstructs_the_whole_pages_before_the_window(model):
+    gen = torch.Generator().manual_seed(9)
+    keys, values = torch.randn(1, 2, 70, D, generator=gen), torch.randn(1, 2, 70, D, generator=gen)
+    press = QuantPress(bits=4, group_size=8, window=20)  # 50 tokens before the window: 6 whole pages of 8
+    k_out, v_out = press.compress(model.model.layers[0].self_attn, None, keys, values, None, {})
+    k_ref, v_ref = _quant_reference(keys[:, :, :48], values[:, :, :48], 4, 8, 8)
+    assert (k_out[:, :, :48] - k_ref).abs().max() < 1e-5 and (v_out[:, :, :48] - v_ref).abs().max() < 1e-5
+    assert torch.equal(k_out[:, :, 48:], keys[:, :, 48:]) and torch.equal(v_out[:, :, 48:], values[:, :, 48:])
 
 
 def test_quantisation_error_on_recorded_smollm2_keys_equals_the_reference_and_8_bit_is_below_one_percent():
@@ -335,6 +346,11 @@ def test_bad_input_raises_clear_errors_and_leaves_the_cache_unchanged(model, fit
         SVDPress(rank=4, path=fitted[1]["svd"], window=0).compress_layer(cache.layers[0], prefilling=True)
     with pytest.raises(ValueError, match="group_size must divide head_dim = 16"):  # a hook run before any check
         QuantPress(bits=4, group_size=5, window=0).compress_layer(cache.layers[0], prefilling=True)
+    split = PiKVCache(model, page_size=4, partition=ShardPlan.for_devices(8, ["cpu", "cpu"]))
+    _prefill(model, split, _ids(40))
+    with pytest.raises(RuntimeError, match="compressed tiers are not supported there"):
+        QuantPress(bits=4, group_size=8, window=0).compress_layer(split.layers[0], prefilling=True)
+    split.detach()
     assert cache.kv_nbytes() == before[0] and not cache.layers[0].tiers
     assert all(torch.equal(a, layer.tokens_per_shard()) for a, layer in zip(before[1], cache.layers, strict=True))
     cache.detach()

@@ -79,10 +79,11 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`_pack`: ``[..., B]`` uint8 -> ``[..., B * 8 // bits]`` float32 codes."""
-    shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.int32) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(-2).float()
+    """Inverse of :func:`_pack`: ``[..., B]`` uint8 -> ``[..., B * 8 // bits]`` float32 codes (shifts and masks on
+    the bytes themselves, one conversion to float at the end)."""
+    mask = (1 << bits) - 1
+    codes = [(packed >> (i * bits)) & mask for i in range(8 // bits)]
+    return torch.stack(codes, -1).flatten(-2).float()
 
 
 def _affine(
@@ -150,10 +151,12 @@ def quantize_pages(
 def dequantize_pages(quant: QuantPages) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 keys ``[N, P, Dk]`` and values ``[N, P, Dv]`` of quantised pages (the kernel's loads, in torch)."""
     _check_bits(quant.bits)
-    keys = _unpack(quant.kq, quant.bits) * quant.k_scale.float().unsqueeze(1) + quant.k_zero.float().unsqueeze(1)
+    keys = torch.addcmul(
+        quant.k_zero.float().unsqueeze(1), _unpack(quant.kq, quant.bits), quant.k_scale.float().unsqueeze(1)
+    )
     n, p, _ = quant.vq.shape
     codes = _unpack(quant.vq, quant.bits).view(n, p, -1, quant.group)
-    values = codes * quant.v_scale.float().unsqueeze(-1) + quant.v_zero.float().unsqueeze(-1)
+    values = torch.addcmul(quant.v_zero.float().unsqueeze(-1), codes, quant.v_scale.float().unsqueeze(-1))
     return keys, values.view(n, p, quant.v_dim)
 
 

@@ -205,6 +205,11 @@ class CompressorPress(PrefillDecodingPress):
         st = layer.store
         if st is None:
             return
+        if layer.partition is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: layer {layer.layer_idx} keeps its shards in partitions (distributed); "
+                "compressed tiers are not supported there"
+            )
         old = st.frame("valid") & (st.frame("pos") < layer.seen - self.window)
         n = int(old.sum(-1).max()) if old.numel() else 0
         if n == 0 or (not prefilling and n < self.page_size):

@@ -40,9 +40,12 @@ class FittedProjectionPress(CompressorPress):
     path: str | None = None
     method: ClassVar[str] = ""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._maps: list[tuple[AffineMap, AffineMap]] | None = None  # loaded by setup (post_init_from_model)
+
     def check(self) -> None:
         check_rank(self.rank)
-        self._maps: list[tuple[AffineMap, AffineMap]] | None = None
 
     def setup(self, model: nn.Module) -> None:
         check_rank(self.rank, head_dim_of(model))
