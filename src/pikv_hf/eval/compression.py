@@ -198,7 +198,9 @@ def plot(per_length_points: list[dict], perplexity: list[dict], path, title: str
     axes[0].set_xlabel("needle score (%)")
     axes[0].legend(fontsize=7)
     axes[1].barh(range(len(names)), [ppl.get(n, float("nan")) for n in names], color="gray")
-    axes[1].set_xlabel("perplexity (held-out essays)")
+    axes[1].set_xlabel("perplexity (held-out essays, log scale)")
+    axes[1].set_xscale("log")
+    axes[0].invert_yaxis()  # the uncompressed point first (the axes share it)
     for ax in axes:
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(title, fontsize=9)
