@@ -114,6 +114,11 @@ def test_kvpress_compress_reconstructs_the_whole_pages_before_the_window(model):
     k_ref, v_ref = _quant_reference(keys[:, :, :48], values[:, :, :48], 4, 8, 8)
     assert (k_out[:, :, :48] - k_ref).abs().max() < 1e-5 and (v_out[:, :, :48] - v_ref).abs().max() < 1e-5
     assert torch.equal(k_out[:, :, 48:], keys[:, :, 48:]) and torch.equal(v_out[:, :, 48:], values[:, :, 48:])
+    sinks = QuantPress(bits=4, group_size=8, window=20, n_sink=2)  # positions 2 .. 49: 6 whole pages from 2
+    k_out, _ = sinks.compress(model.model.layers[0].self_attn, None, keys, values, None, {})
+    k_ref, _ = _quant_reference(keys[:, :, 2:50], values[:, :, 2:50], 4, 8, 8)
+    assert torch.equal(k_out[:, :, :2], keys[:, :, :2]) and (k_out[:, :, 2:50] - k_ref).abs().max() < 1e-5
+    assert torch.equal(k_out[:, :, 50:], keys[:, :, 50:])
 
 
 def test_quantisation_error_on_recorded_smollm2_keys_equals_the_reference_and_8_bit_is_below_one_percent():
@@ -162,13 +167,14 @@ def test_compressed_bytes_are_the_bytes_of_the_tensors_held(model):
     "make",
     [
         lambda paths: QuantPress(bits=4, group_size=8, window=32),
+        lambda paths: QuantPress(bits=2, group_size=8, window=32, n_sink=8),
         lambda paths: SVDPress(rank=8, path=paths["svd"], window=32),
         lambda paths: DistillPress(rank=8, path=paths["distill"], window=32),
         lambda paths: ChunkPCAPress(rank=4, chunk_size=8, window=32),
         lambda paths: FastVCropPress(channels=12, window=32),
         lambda paths: ChannelPrunePress(channel_ratio=0.25, window=32),
     ],
-    ids=["quant", "svd", "distill", "chunk_pca", "fastv_crop", "channel_prune"],
+    ids=["quant", "quant_2bit_sinks", "svd", "distill", "chunk_pca", "fastv_crop", "channel_prune"],
 )
 def test_pikv_storage_decodes_as_the_dynamic_cache_simulation_through_prefill_and_decode(model, fitted, make):
     """One shard, pages aligned with the window: PiKVCache's real compressed tier (moves at prefill and every page
@@ -189,7 +195,8 @@ def test_pikv_storage_decodes_as_the_dynamic_cache_simulation_through_prefill_an
         logits[kind] = torch.stack(out)
         if kind == "pikv":
             hot = cache.layers[0].store
-            assert int(hot.tokens_per_shard().sum()) // 2 < 32 + press.page_size  # the window + less than a page
+            # the sinks, the window and less than a page
+            assert int(hot.tokens_per_shard().sum()) // 2 < press.n_sink + 32 + press.page_size
             exact = PiKVCache(model, num_shards=1, page_size=4)
             with torch.no_grad():
                 model(torch.cat([ids, torch.zeros(1, steps - 1, dtype=torch.long)], 1), past_key_values=exact)

@@ -4,7 +4,8 @@ codec that stores them compressed, and the reports (reconstruction error, bytes 
 A compressor press is a kvpress ``PrefillDecodingPress`` (so kvpress's pipeline keeps its hook on during decoding)
 whose hook runs after every attention layer, at prefill and at decode steps:
 
-* on a ``PiKVCache`` it moves the layer's tokens older than the last ``window`` positions from the hot store into the
+* on a ``PiKVCache`` it moves the layer's tokens older than the last ``window`` positions (and past the first
+  ``n_sink``, by default none) from the hot store into the
   layer's ``"compressed"`` tier, a ``PagedStore`` whose codec stores them compressed (pages of
   :attr:`CompressorPress.page_size` tokens): at prefill end all of them, during decoding whenever at least a page of
   them has gathered. ``cache.kv_nbytes()`` falls by what the codec saves; attention reads both stores and merges
@@ -120,17 +121,22 @@ class CompressorPress(PrefillDecodingPress):
     ----------
     window : int
         Most recent positions kept in full precision (KIVI's residual), >= 0.
+    n_sink : int
+        First positions kept in full precision too (attention sinks, whose large keys would otherwise set the key
+        range of their page), >= 0; default 0 (KIVI).
     """
 
     prefilling_press: BasePress | None = field(default=None, init=False, repr=False)
     decoding_press: DecodingPress | None = field(default=None, init=False, repr=False)
     window: int = 128
+    n_sink: int = 0
     # tokens are held compressed, not removed: what kvpress's ComposedPress multiplies into its ratio
     compression_ratio: float = field(default=0.0, init=False, repr=False)
     replays_prefill_hooks: ClassVar[bool] = True  # its prefill hook may be replayed on a copy of the cache (eval)
 
     def __post_init__(self) -> None:
         check_int_at_least("window", self.window, 0)
+        check_int_at_least("n_sink", self.n_sink, 0)
         self.check()
         self._codecs: dict[int, Codec] = {}  # DynamicCache simulation: per layer, since its prefill
         self._simulated: dict[int, int] = {}  # DynamicCache simulation: tokens reconstructed per layer
@@ -167,13 +173,16 @@ class CompressorPress(PrefillDecodingPress):
         return output
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-        """kvpress's ``compress``: the keys and values with every whole page before the window reconstructed."""
-        n = self._span(keys.shape[2], 0)
+        """kvpress's ``compress``: the keys and values with every whole page between the sinks and the window
+        reconstructed."""
+        s = min(self.n_sink, keys.shape[2])
+        n = self._span(keys.shape[2], s)
         if n == 0:
             return keys, values
-        k, v = keys[:, :, :n], values[:, :, :n]
+        k, v = keys[:, :, s : s + n], values[:, :, s : s + n]
         k_hat, v_hat = roundtrip(self.build_codec(module.layer_idx, k, v), k, v, self.page_size)
-        return torch.cat([k_hat, keys[:, :, n:]], 2), torch.cat([v_hat, values[:, :, n:]], 2)
+        cat = lambda x, x_hat: torch.cat([x[:, :, :s], x_hat, x[:, :, s + n :]], 2)  # noqa: E731
+        return cat(keys, k_hat), cat(values, v_hat)
 
     # ------------------------------------------------------------------ the two caches
     def _span(self, length: int, done: int) -> int:
@@ -183,9 +192,9 @@ class CompressorPress(PrefillDecodingPress):
     def simulate(self, layer, layer_idx: int, prefilling: bool) -> None:
         """DynamicCache: reconstruct, in place, the whole pages of tokens that left the window since the last call."""
         if prefilling:
-            self._simulated[layer_idx] = 0
+            self._simulated[layer_idx] = self.n_sink
             self._codecs.pop(layer_idx, None)
-        done = self._simulated.get(layer_idx, 0)
+        done = self._simulated.get(layer_idx, self.n_sink)
         keys, values = layer.keys, layer.values
         n = self._span(keys.shape[2], done)
         if n == 0:
@@ -210,7 +219,8 @@ class CompressorPress(PrefillDecodingPress):
                 f"{type(self).__name__}: layer {layer.layer_idx} keeps its shards in partitions (distributed); "
                 "compressed tiers are not supported there"
             )
-        old = st.frame("valid") & (st.frame("pos") < layer.seen - self.window)
+        pos = st.frame("pos")
+        old = st.frame("valid") & (pos < layer.seen - self.window) & (pos >= self.n_sink)
         n = int(old.sum(-1).max()) if old.numel() else 0
         if n == 0 or (not prefilling and n < self.page_size):
             return
