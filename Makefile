@@ -120,7 +120,7 @@ test-eval-slow: $(STAMP)
 # Quality: every compressor at two settings next to transformers' QuantizedCache (quanto), PiKVCache storing them
 # compressed, needles at 2k and 4k (14 samples x 3 tasks = 42 per point) and held-out perplexity, resumable; the two
 # lengths run one after the other (~3 h each on 2 busy cores).
-COMPRESSION_POINTS := none quant@bits=4 quant@bits=2 svd@rank=32 svd@rank=16 lora@rank=32 lora@rank=16 \
+COMPRESSION_POINTS := none quant@bits=4 quant@bits=2 quant@bits=2,group_size=32,n_sink=4 svd@rank=32 svd@rank=16 lora@rank=32 lora@rank=16 \
 	lora_plus@rank=32 lora_plus@rank=16 distill@rank=32 distill@rank=16 chunk_pca@rank=16 chunk_pca@rank=8 \
 	pyramid@compression_ratio=0.25 pyramid@compression_ratio=0.5 fastv_crop@channels=56 fastv_crop@channels=48 \
 	channel_prune@channel_ratio=0.25 channel_prune@channel_ratio=0.5 quantized_cache@nbits=4 quantized_cache@nbits=2

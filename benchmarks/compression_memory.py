@@ -28,6 +28,7 @@ from pikv_hf.presses import cache_report, evict_lowest
 SETTINGS = [  # the settings of make eval-compression, then a few more
     "quant@bits=4,group_size=64",
     "quant@bits=2,group_size=64",
+    "quant@bits=2,group_size=32,n_sink=4",
     "quant@bits=8,group_size=64",
     "quant@bits=4,group_size=64,key_group_size=128",
     "quant@bits=2,group_size=64,key_group_size=128",
