@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import byte_tokenizer, model_pair
 from kvpress import ComposedPress, StreamingLLMPress
 from safetensors.torch import load_file
-from transformers import DynamicCache
+from transformers import DynamicCache, pipeline
 
 from pikv_hf import PiKVCache
 from pikv_hf.codecs import fit
@@ -361,3 +362,24 @@ def test_bad_input_raises_clear_errors_and_leaves_the_cache_unchanged(model, fit
     assert cache.kv_nbytes() == before[0] and not cache.layers[0].tiers
     assert all(torch.equal(a, layer.tokens_per_shard()) for a, layer in zip(before[1], cache.layers, strict=True))
     cache.detach()
+
+
+def test_kvpress_pipeline_runs_a_compressor_on_both_caches():
+    """kvpress's pipeline keeps a compressor (a PrefillDecodingPress) on while it decodes and trims the answer off by
+    position: the PiKVCache ends holding the context, its older tokens in the 8-bit tier, with the answers of the
+    DynamicCache simulation."""
+    ref, model = model_pair("llama")
+    answers = {}
+    for kind, m in (("dynamic", ref), ("pikv", model)):
+        cache = DynamicCache() if kind == "dynamic" else PiKVCache(model, num_shards=1, page_size=4)
+        pipe = pipeline("kv-press-text-generation", model=m, tokenizer=byte_tokenizer(), device="cpu")
+        press = QuantPress(bits=8, group_size=8, window=16)
+        answers[kind] = pipe("A tiny context " * 12, question="Why?", press=press, cache=cache, max_new_tokens=6)
+        if kind == "pikv":
+            context = cache.get_seq_length()
+            tier = cache.layers[0].tiers[TIER]
+            # the prefill moved all but the window, decode steps moved more of it; the answer was trimmed off
+            assert 2 * (context - 16) <= int(tier.tokens_per_shard().sum()) < 2 * context
+            assert int(cache.layers[0].tokens_per_shard().sum()) == 2 * context
+            cache.detach()
+    assert answers["dynamic"]["answer"] == answers["pikv"]["answer"]
