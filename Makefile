@@ -156,5 +156,31 @@ test-eval-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow tests/test_eval_slow.py tests/test_models_smollm2_slow.py
 # <<< eval targets
 
+# >>> compression targets (issue 17)
+# Fitted SVD / LoRA / LoRA++ / distilled projections of SmolLM2 (ranks 16, 32) under $$PIKV_HF_CACHE/projections (~5 min).
+# Quality: every compressor at two settings next to transformers' QuantizedCache (quanto), PiKVCache storing them
+# compressed, needles at 2k and 4k (14 samples x 3 tasks = 42 per point) and held-out perplexity, resumable; the two
+# lengths run one after the other (~3 h each on 2 busy cores).
+COMPRESSION_POINTS := none quant@bits=4 quant@bits=2 quant@bits=2,group_size=32,n_sink=4 svd@rank=32 svd@rank=16 lora@rank=32 lora@rank=16 \
+	lora_plus@rank=32 lora_plus@rank=16 distill@rank=32 distill@rank=16 chunk_pca@rank=16 chunk_pca@rank=8 \
+	pyramid@compression_ratio=0.25 pyramid@compression_ratio=0.5 fastv_crop@channels=56 fastv_crop@channels=48 \
+	channel_prune@channel_ratio=0.25 channel_prune@channel_ratio=0.5 quantized_cache@nbits=4 quantized_cache@nbits=2
+.PHONY: fit-projections bench-compression eval-compression
+
+fit-projections: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pikv_hf.codecs.fit --method svd lora lora_plus distill --rank 16 32
+
+# Bytes per token per layer of every setting vs DynamicCache fp16 / fp32 (2k, 4k), and decode step time of the
+# quantised PiKVCache vs QuantizedCache vs DynamicCache at 4k / 16k. Needs fit-projections.
+bench-compression: $(STAMP)
+	$(PY) benchmarks/compression_memory.py --out benchmarks/results/compression_memory.json
+	$(PY) benchmarks/compression_speed.py --out benchmarks/results/compression_speed_cpu.json
+
+eval-compression: $(STAMP)
+	for L in 2048 4096; do OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval --suite ruler --model smollm2 \
+		--cache pikv --samples 14 --length $$L --press $(COMPRESSION_POINTS) --perplexity-context $$L --no-progress \
+		--out $(EVAL_RESULTS)/compression_smollm2_pikv_$$L; done
+# <<< compression targets
+
 clean-venv:
 	rm -rf $(VENV)

@@ -1,7 +1,7 @@
 """KV bytes a PiKVCache allocates after each scheduling press, against (1 - r) x a DynamicCache's, on SmolLM2.
 
 One ``--context``-token prefill of essay text into a PiKVCache (hooks recorded); every press at every ratio is
-replayed on a fork of it (``pikv_hf.eval.pikv_presses.RecordedPiKVPrefill``), and the fork's ``kv_nbytes()`` (the
+replayed on a fork of it (``pikv_hf.eval.runner.PrefillRecord``), and the fork's ``kv_nbytes()`` (the
 tensors it holds for its resident tokens) is compared with ``(1 - r)`` times the bytes of a DynamicCache holding the
 uncompressed context. FlexGen's non-resident share sits in the offload tier (``offloaded_nbytes()``, reported
 apart); Quest selects per step and frees nothing (not in the check).
@@ -31,8 +31,9 @@ def main() -> None:
     from transformers import DynamicCache
 
     from pikv_hf import PiKVCache
-    from pikv_hf.eval.pikv_presses import PIKV_PRESSES, RecordedPiKVPrefill, build_pikv_press, duo_heads
+    from pikv_hf.eval.pikv_presses import PIKV_PRESSES, build_pikv_press, duo_heads
     from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.runner import PrefillRecord
     from pikv_hf.models import load_smollm2
 
     model, tok = load_smollm2()
@@ -43,14 +44,14 @@ def main() -> None:
     dynamic_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dyn.layers)
     del dyn
     cache = PiKVCache(model, page_size=args.page_size, track_stats=True)
-    recorded = RecordedPiKVPrefill(model, cache, ids)
+    recorded = PrefillRecord(model, ids, cache)
     heads = duo_heads(model, tok, args.out.parent)
     rows = []
     for name in PIKV_PRESSES:
         if name.endswith("_offload_routed"):
             continue  # the same resident bytes as pikv_h2o
         for ratio in args.ratios:
-            fork = recorded.compressed(build_pikv_press(name, ratio, heads))
+            fork = recorded.compressed_cache(build_pikv_press(name, ratio, heads))
             held, offloaded = fork.kv_nbytes(), fork.offloaded_nbytes()
             target = (1 - ratio) * dynamic_bytes
             rows.append(

@@ -230,10 +230,10 @@ def test_gather_pages_equals_indexing_and_the_reference(dtype, page_shape):
     assert gather_pages(field, pages, out=out) is out and torch.equal(out, got)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantised_decode_equals_dequantised_reference_and_sdpa(bits):
+@pytest.mark.parametrize("bits, scale_dtype", [(4, torch.float32), (8, torch.float32), (2, torch.float16)])
+def test_quantised_decode_equals_dequantised_reference_and_sdpa(bits, scale_dtype):
     case = _case(4, 64, 128, 16, torch.float16, q=2)
-    quant = quantize_pages(case.keys, case.values, bits, group=32, valid=case.valid)
+    quant = quantize_pages(case.keys, case.values, bits, group=32, valid=case.valid, scale_dtype=scale_dtype)
     keys, values = dequantize_pages(quant)
     dense = replace(case, dense_k=case.dense_k.clone(), dense_v=case.dense_v.clone())  # as the pages now hold them
     for bi, hi in itertools.product(range(len(PADS)), range(H)):
@@ -304,7 +304,7 @@ def test_bad_inputs_raise_clear_errors_before_launch():
     args = (base["query"], quant, base["pos"], base["valid"], base["pages"], base["qpos"], 0.125)
     with pytest.raises(ValueError, match="bits must be one of"):
         decode_attention_quant(base["query"], quantize_pages(base["keys"], base["values"], 3, group=16), *args[2:])
-    with pytest.raises(TypeError, match="k_scale must be torch.float32"):
+    with pytest.raises(TypeError, match="k_zero must be torch.float16"):  # the four scale fields share a dtype
         quant.k_scale = quant.k_scale.half()
         decode_attention_quant(*args)
     with pytest.raises(IndexError, match=r"page ids must be in \[-1, 9\)"):

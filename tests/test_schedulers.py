@@ -26,7 +26,7 @@ from pikv_hf.presses import (
     load_heads,
     save_heads,
 )
-from pikv_hf.presses.duo_attention import head_budgets
+from pikv_hf.presses.duo_attention_press import head_budgets
 from pikv_hf.presses.queries import model_queries
 from pikv_hf.tiny import tiny_model
 

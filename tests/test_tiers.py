@@ -48,13 +48,18 @@ def test_split_layer_attends_as_the_single_store(read):
 
 
 def test_tier_bytes_crop_and_batch_ops_follow_the_tokens():
-    cache, layer, _, _ = _layer(True)
+    cache, layer, keys, values = _layer(True)
     tier = layer.tiers["cold"]
+    view = layer.view()  # both stores, in position order, as the single store's view
+    assert torch.equal(view.pos, torch.arange(T + 1).expand(B, H, -1))
+    assert torch.equal(view.keys, keys) and torch.equal(view.values, values)
     assert cache.kv_nbytes() == layer.store.kv_nbytes() + tier.kv_nbytes() > 0  # a tier on the same device
     assert layer.offloaded_nbytes() == 0
     cache.crop(20)  # positions 30 .. 59 sat in the tier, 0 .. 29 and 60 in the hot store: 20 .. 60 go
     assert int(tier.tokens_per_shard().sum()) == 0 and int(layer.store.tokens_per_shard().sum()) == B * H * 20
     cache.batch_select_indices(torch.tensor([1]))
     assert tier.batch == layer.store.batch == 1
-    with pytest.raises(RuntimeError, match="has no dense keys / values view"):
-        layer.keys  # noqa: B018
+    assert torch.equal(layer.keys, keys[1:, :, :20])
+    with pytest.raises(ValueError, match="holds tokens in tiers"):  # a selection of a view that spans tiers
+        layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
+        layer.keys  # noqa: B018 (the assignment is applied at the next access)

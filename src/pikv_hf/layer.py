@@ -447,10 +447,10 @@ class PiKVLayer(CacheLayerMixin):
         """The position-ordered copy of the stored tokens (taken once per write; None before the first update)."""
         if self.store is None:
             return None
-        if self.partition is not None or self.tiers:
+        if self.partition is not None:
             raise RuntimeError(
-                f"layer {self.layer_idx}: this layer keeps tokens in several stores (partitions on other devices or "
-                f"ranks, or tiers: {', '.join(self.tiers) or 'none'}), so it has no dense keys / values view"
+                f"layer {self.layer_idx}: this layer keeps tokens in partitions on other devices or ranks, so it has "
+                "no dense keys / values view"
             )
         self._flush_pending()
         return self._snapshot()
@@ -464,10 +464,10 @@ class PiKVLayer(CacheLayerMixin):
         return (hits > 0) & st.frame("valid")
 
     def view_index(self) -> DenseView:
-        """The dense view's index tensors alone (``frame_index``, ``pos``, ``valid``; keys and values None): what a
-        press needs to turn view scores into a keep mask, without copying the keys and values."""
+        """The hot store's dense view index tensors alone (``frame_index``, ``pos``, ``valid``; keys and values
+        None): what a press needs to turn view scores into a keep mask, without copying the keys and values."""
         v = self._view
-        if v is not None and v.keys is not None:
+        if v is not None and v.keys is not None and not self.tiers:
             return v
         return dense_view(self.store, with_kv=False)
 
@@ -480,7 +480,7 @@ class PiKVLayer(CacheLayerMixin):
     def _snapshot(self) -> DenseView:
         v = self._view
         if v is None or v.keys is None:
-            self._view = v = dense_view(self.store)
+            self._view = v = dense_view(*self.stores())
         return v
 
     @property
@@ -555,6 +555,13 @@ class PiKVLayer(CacheLayerMixin):
         if action[0] == "crop":
             self.crop(action[1])
         elif action[0] == "keep":
+            if self.tiers:
+                from pikv_hf.kvpress_compat import calling_press
+
+                raise ValueError(
+                    f"{calling_press()}: layer {self.layer_idx} holds tokens in tiers ({', '.join(self.tiers)}); a "
+                    "selection of its view can only crop positions there: run eviction presses before compression"
+                )
             index = v.frame_index.gather(2, action[1])
             self.evict(self.frame_mask(index, index >= 0))
         module = None if self._module is None else self._module()
@@ -638,15 +645,17 @@ class PiKVLayer(CacheLayerMixin):
         codec: Codec | None = None,
         device: torch.device | str | None = None,
         storage: str | None = None,
+        page_size: int | None = None,
     ) -> PagedStore:
         """The cold tier ``name``, created on first use as an empty store like the hot one, with ``codec`` (default
-        identity) on ``device`` (default the layer's), in ``storage`` (see ``PagePool``)."""
+        identity) on ``device`` (default the layer's), in ``storage`` (see ``PagePool``), with pages of ``page_size``
+        tokens (default the hot store's; a quantised tier's page is its group of tokens)."""
         if name not in self.tiers:
             st = self.store
             if st is None:
                 raise RuntimeError(f"layer {self.layer_idx}: a tier is made after the first update")
             self.tiers[name] = PagedStore(
-                st.batch, st.heads, st.k_dim, st.v_dim, st.num_shards, st.page_size, st.dtype,
+                st.batch, st.heads, st.k_dim, st.v_dim, st.num_shards, page_size or st.page_size, st.dtype,
                 torch.device(device) if device is not None else st.device, codec=codec, storage=storage,
             )  # fmt: skip
         return self.tiers[name]

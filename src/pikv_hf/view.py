@@ -52,10 +52,15 @@ class DenseView:
         return bool((self.pos == torch.arange(self.pos.shape[-1], device=self.pos.device)).all())
 
 
-def dense_view(store: PagedStore, with_kv: bool = True) -> DenseView:
+def dense_view(store: PagedStore, *tiers: PagedStore, with_kv: bool = True) -> DenseView:
     """Every occupied slot of ``store`` (valid tokens and stored padding), per (row, head), in position order
-    (``with_kv=False``: only the index tensors, keys and values left None)."""
-    pos = store.frame("pos").to(torch.int64)
+    (``with_kv=False``: only the index tensors, keys and values left None).
+
+    With ``tiers`` (a layer's cold stores) the view covers them too, their tokens decoded and brought to the store's
+    device; its ``frame_index`` then indexes the store's frame followed by each tier's.
+    """
+    stores = (store, *tiers)
+    pos = torch.cat([s.frame("pos").to(store.device) for s in stores], -1).to(torch.int64)
     occupied = pos >= 0
     order = torch.where(occupied, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
     n = occupied.sum(-1)
@@ -64,7 +69,11 @@ def dense_view(store: PagedStore, with_kv: bool = True) -> DenseView:
     ok = torch.arange(length, device=pos.device) < n.unsqueeze(-1)
     keys = values = None
     if with_kv:
-        keys, values = store.frame_kv()
+        if tiers:
+            decoded = [s.frame_kv() for s in stores]
+            keys, values = (torch.cat([d[i].to(store.device, store.dtype) for d in decoded], 2) for i in (0, 1))
+        else:
+            keys, values = store.frame_kv()
 
         def take(t: torch.Tensor) -> torch.Tensor:
             out = t.gather(2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
@@ -76,7 +85,7 @@ def dense_view(store: PagedStore, with_kv: bool = True) -> DenseView:
         values=values,
         frame_index=torch.where(ok, order, -1),
         pos=torch.where(ok, pos.gather(2, order), -1),
-        valid=store.frame("valid").gather(2, order) & ok,
+        valid=torch.cat([s.frame("valid").to(store.device) for s in stores], -1).gather(2, order) & ok,
     )
 
 

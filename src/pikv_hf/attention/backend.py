@@ -97,8 +97,11 @@ class TorchBackend:
             pages = t.pages(local)
             flat = pages.clamp(min=0).reshape(-1)
             n = local.shape[-1]
+            specs = store.pool.specs
             fields = {
-                name: self._gather(store, name, flat).view(b, h, n * p, *store.pool.specs[name].shape)
+                name: self._gather(store, name, flat).view(
+                    b, h, n if specs[name].per_page else n * p, *specs[name].shape
+                )
                 for name in (*store.kv_fields, "pos", "valid")
             }
             page_ok = (pages >= 0).repeat_interleave(p, dim=-1)

@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["none"],
         help="none and/or kvpress presses (snapkv, expected_attention, ...); with --cache pikv: none, pikv_routed, "
-        "pikv_quest",
+        "pikv_quest; with either cache: compression specs NAME[@key=value,...] (quant, svd, lora, lora_plus, distill, "
+        "chunk_pca, fastv_crop, channel_prune, pyramid, or quantized_cache for transformers' QuantizedCache), e.g. "
+        "quant@bits=4,group_size=64",
     )
     parser.add_argument(
         "--ratio",
@@ -49,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--longbench-dir", default=None, help="local LongBench JSONL directory (else the hub)")
     parser.add_argument("--num-experts", type=int, default=8, help="experts of smollm2-moe")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token of smollm2-moe")
+    parser.add_argument(
+        "--perplexity-context",
+        type=int,
+        default=0,
+        help="also measure, per point, the perplexity of held-out essay text after a compressed context of this many "
+        "tokens (0: off)",
+    )
+    parser.add_argument("--perplexity-tokens", type=int, default=256, help="tokens scored for the perplexity")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="output directory (resumable)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -91,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
             num_experts=args.num_experts,
             top_k=args.top_k,
             longbench_dir=args.longbench_dir,
+            perplexity_context=args.perplexity_context,
+            perplexity_tokens=args.perplexity_tokens,
         )
         inputs = resolve_inputs(config)
     except (ValueError, RuntimeError) as err:

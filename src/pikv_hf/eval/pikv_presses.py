@@ -1,4 +1,4 @@
-"""pikv_hf's own presses in the evaluation harness: names, construction, and one recorded prefill replayed per press.
+"""pikv_hf's own presses in the evaluation harness: names, construction and DuoAttention's calibrated heads.
 
 ``--press pikv_h2o pikv_lru ...`` name the scheduling presses of :mod:`pikv_hf.presses` (``ratio`` is their
 ``compression_ratio``). ``pikv_duo_attention`` calibrates its head scores once per model on essay text that the
@@ -7,9 +7,10 @@ resident, moves the rest to the CPU offload tier and then decodes with routed re
 options of the run: ``--selector --n-sink --window --dense-layers --mass-target``, with ``top_k_shards = shards / 4``
 as the cap): nothing is lost, and a step reads back only the shards its query selects.
 
-With ``--cache pikv`` a context is prefilled once into a PiKVCache while the attention hooks' calls are recorded;
-each press then acts on a ``fork()`` of that cache by replaying the calls through its hook, which is what
-``with press(model): model.model(context)`` would do (a press's hook reads only its arguments and the cache).
+With ``--cache pikv`` a context is prefilled once into a PiKVCache while the attention hooks' calls are recorded
+(:class:`pikv_hf.eval.runner.PrefillRecord`); each press then acts on a ``fork()`` of that cache by replaying the
+calls through its hook, which is what ``with press(model): model.model(context)`` would do (a press's hook reads only
+its arguments and the cache).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
 
 from pikv_hf.config import ReadConfig
 from pikv_hf.presses import (
@@ -70,34 +69,3 @@ def routed_read(read: ReadConfig, num_shards: int) -> ReadConfig:
     """The routed read of an ``*_offload_routed`` point: the run's read options, ``top_k_shards`` a quarter of the
     shards (a cap when a mass target is set)."""
     return dataclasses.replace(read, attention="routed", top_k_shards=max(1, num_shards // 4))
-
-
-class RecordedPiKVPrefill:
-    """A context prefilled once into a PiKVCache, with its attention hooks' calls recorded for replay."""
-
-    def __init__(self, model, cache, context_ids: torch.Tensor) -> None:
-        from pikv_hf.routing.expert import decoder_layers
-
-        self.model, self.cache, self.calls = model, cache, []
-        handles = [
-            layer.self_attn.register_forward_hook(
-                lambda module, args, kwargs, output: self.calls.append((module, args, dict(kwargs), output)),
-                with_kwargs=True,
-            )
-            for layer in decoder_layers(model)
-        ]
-        try:
-            with torch.no_grad():
-                model.model(input_ids=context_ids, past_key_values=cache)
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def compressed(self, press=None):
-        """A fork of the prefilled cache, compressed by ``press`` (a kvpress or pikv_hf press) when given."""
-        fork = self.cache.fork()
-        if press is not None:
-            with torch.no_grad(), press(self.model):
-                for module, args, kwargs, output in self.calls:
-                    press.forward_hook(module, args, {**kwargs, "past_key_values": fork}, output)
-        return fork

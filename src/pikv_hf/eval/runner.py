@@ -9,6 +9,15 @@ steps, so they are query-aware sparse *reads* of an uncompressed cache: nothing 
 fraction of KV pages a decode step does not read (``1 - k / num_shards`` for routed, ``1 - read_fraction`` for
 Quest); each row also records the fraction actually read.
 
+Compression points (``quant@bits=4``, ``svd@rank=32``, ..., ``quantized_cache@nbits=4``; see
+:mod:`pikv_hf.eval.compression`) run with either cache: the context's uncompressed prefill is recorded once and each
+point compresses a copy of its cache (a ``fork()`` of the PiKVCache, or a copy of the DynamicCache) by replaying the
+press's prefill hooks; the answer is decoded inside the press's context, so a compressor keeps moving tokens out of
+its window. Each compression row records the KV bytes held, the tokens kept per KV head and layer, the press's
+reconstruction error on the context's exact KV (for the first sample of each task) and that it is query-agnostic.
+``perplexity_context`` adds the perplexity of held-out essay text after a compressed context, per point
+(``perplexity.jsonl``).
+
 Results: ``predictions.jsonl`` gets one line per finished sample (flushed and fsynced), so an interrupted run
 resumes where it stopped; ``metrics.json`` aggregates them with library versions, git commit, seed and arguments;
 ``score_vs_ratio.png`` is drawn when several ratios were run.
@@ -40,7 +49,9 @@ CACHES = ("dynamic", "pikv")
 ROUTERS = ("round_robin", "expert", "key_cluster")
 SUITES = ("ruler", "longbench")
 PLOT_NAME = "score_vs_ratio.png"
+COMPRESSION_PLOT = "compression.png"
 PREDICTIONS = "predictions.jsonl"
+PERPLEXITY = "perplexity.jsonl"
 METRICS = "metrics.json"
 RUN_CONFIG = "run_config.json"
 ABSTRACT_PRESSES = ("ScorerPress",)  # base classes without a scoring rule
@@ -89,6 +100,11 @@ class EvalConfig:
         Upcycling of ``smollm2-moe``.
     longbench_dir : str or None
         Local LongBench JSONL directory (otherwise ``THUDM/LongBench`` through ``datasets``).
+    perplexity_context : int
+        When > 0: per point, the perplexity of ``perplexity_tokens`` held-out essay tokens after a context of this
+        many held-out tokens, compressed as the point compresses.
+    perplexity_tokens : int
+        Tokens scored for the perplexity.
     """
 
     suite: str
@@ -108,6 +124,8 @@ class EvalConfig:
     num_experts: int = 8
     top_k: int = 2
     longbench_dir: str | None = None
+    perplexity_context: int = 0
+    perplexity_tokens: int = 256
 
     def validate(self) -> None:
         """Check every field; raises ``ValueError`` naming the parameter and the expected values."""
@@ -123,15 +141,22 @@ class EvalConfig:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if not self.presses:
             raise ValueError("press must name at least one press ('none' for no compression)")
-        if any(press not in ("none", *PIKV_MODES, *PIKV_PRESSES) for press in self.presses):
+        from pikv_hf.eval import compression
+
+        for press in self.presses:
+            if compression.is_compression(press):
+                compression.build(press)  # its settings checked now, before the model loads
+        others = [p for p in self.presses if p != "none" and not compression.is_compression(p)]
+        if any(press not in (*PIKV_MODES, *PIKV_PRESSES) for press in others):
             known = press_names()  # kvpress is imported only when one of its presses is asked for
-            for press in self.presses:
-                if press not in ("none", *PIKV_MODES, *PIKV_PRESSES, *known):
+            for press in others:
+                if press not in (*PIKV_MODES, *PIKV_PRESSES, *known):
                     raise ValueError(
-                        f"press must be 'none', one of {sorted(PIKV_PRESSES)} or a kvpress press "
+                        f"press must be 'none', one of {sorted(PIKV_PRESSES)}, a compression spec "
+                        f"({', '.join(compression.COMPRESSORS)}, {compression.QUANTIZED_CACHE}) or a kvpress press "
                         f"{sorted(known)}, got {press!r}"
                     )
-        for press in self.presses:
+        for press in others:
             if self.cache != "pikv" and (press in PIKV_MODES or press.endswith(ROUTED_SUFFIX)):
                 raise ValueError(f"press {press!r} reads a PiKVCache at decode time: it needs --cache pikv")
         if not self.ratios:
@@ -158,6 +183,8 @@ class EvalConfig:
             )
         if self.longbench_dir is not None and not Path(self.longbench_dir).is_dir():
             raise ValueError(f"longbench_dir must be an existing directory, got {self.longbench_dir!r}")
+        check_int_at_least("perplexity_context", self.perplexity_context, 0)
+        check_int_at_least("perplexity_tokens", self.perplexity_tokens, 2)
 
     def shards(self) -> int | None:
         """PiKVCache's shard count for the named models (None for a ``PATH`` model without ``num_shards``)."""
@@ -184,10 +211,13 @@ class EvalConfig:
         return dataclasses.replace(self.read, attention="routed", top_k_shards=k)
 
     def points(self) -> list[tuple[str, float]]:
-        """(press, ratio) pairs to run: ``none`` once at ratio 0, every other press at every ratio."""
+        """(press, ratio) pairs to run: ``none`` and compression specs once at ratio 0, every other press at every
+        ratio."""
+        from pikv_hf.eval.compression import is_compression
+
         out: list[tuple[str, float]] = []
         for press in self.presses:
-            for ratio in [0.0] if press == "none" else self.ratios:
+            for ratio in [0.0] if press == "none" or is_compression(press) else self.ratios:
                 if (press, ratio) not in out:
                     out.append((press, ratio))
         return out
@@ -385,7 +415,7 @@ class PrefillRecord:
         ``[1, n]`` context token ids.
     """
 
-    def __init__(self, model, context_ids):
+    def __init__(self, model, context_ids, cache=None):
         import torch
         from transformers import DynamicCache
 
@@ -399,21 +429,31 @@ class PrefillRecord:
         for layer in model.model.layers:
             handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
         try:
-            self.cache = DynamicCache()
+            self.cache = DynamicCache() if cache is None else cache
             with torch.no_grad():
                 model.model(input_ids=context_ids, past_key_values=self.cache)
         finally:
             for handle in handles:
                 handle.remove()
 
+    def exact_kv(self) -> list[tuple]:
+        """The context's uncompressed ``(keys, values)`` per layer, ``[B, H, T, D]``."""
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
     def compressed_cache(self, press=None):
-        """A fresh ``DynamicCache`` holding the context's KV, compressed by ``press`` (a copy when None)."""
+        """A fresh copy of the recorded cache (a ``DynamicCache``, or a ``fork()`` of a ``PiKVCache``) holding the
+        context's KV, compressed by ``press`` (a plain copy when None)."""
         import torch
         from transformers import DynamicCache
 
-        kv = DynamicCache()
-        for i, layer in enumerate(self.cache.layers):
-            kv.update(layer.keys.clone(), layer.values.clone(), i)
+        from pikv_hf import PiKVCache
+
+        if isinstance(self.cache, PiKVCache):
+            kv = self.cache.fork()
+        else:
+            kv = DynamicCache()
+            for i, (keys, values) in enumerate(self.exact_kv()):
+                kv.update(keys.clone(), values.clone(), i)
         if press is not None:
             # entering the press's context does its set-up (post_init_from_model, layer.self_attn.rotary_emb); its
             # hooks stay idle because no forward runs inside
@@ -427,8 +467,13 @@ def replayable(press) -> bool:
     """Whether ``press`` compresses through kvpress's default prefill hook (so :class:`PrefillRecord` applies)."""
     from kvpress import BasePress, DecodingPress, PrefillDecodingPress
 
-    default_hook = type(press).forward_hook is BasePress.forward_hook or getattr(press, "replays_prefill", False)
-    return press is not None and default_hook and not isinstance(press, (DecodingPress, PrefillDecodingPress))
+    if getattr(press, "replays_prefill", False):  # PiKV presses whose hooks read only their arguments
+        return True
+    return (
+        press is not None
+        and type(press).forward_hook is BasePress.forward_hook
+        and not isinstance(press, (DecodingPress, PrefillDecodingPress))
+    )
 
 
 def prefill(model, context_ids, press=None, cache=None):
@@ -485,31 +530,168 @@ def answer_from_cache(
     return generated
 
 
-def pikv_decoders(model, config: EvalConfig, context_ids, heads: str | None = None):
-    """Prefill the context once into an exact ``PiKVCache``; return ``make(press, ratio) -> cache`` for the points.
+class PointCaches:
+    """The cache of every point for one context: one recorded prefill (a DynamicCache, or with ``--cache pikv`` an
+    exact PiKVCache) serves all of them.
 
-    Each call forks the prefilled cache. A press (kvpress's or pikv_hf's) then compresses the fork by replaying the
-    recorded prefill hooks (:class:`pikv_hf.eval.pikv_presses.RecordedPiKVPrefill`); ``none``, ``pikv_routed``
-    and ``pikv_quest`` set the decode attention (``EvalConfig.point_read``), an ``*_offload_routed`` press routed
-    reads over both tiers.
+    ``make(press, ratio)`` returns ``(cache, press, info)``: the point's cache, the press to keep active while
+    decoding (compressors; None otherwise) and the row fields measured on the cache (compression points; their
+    reconstruction error only with ``errors``). kvpress presses whose hooks cannot be replayed run their own prefill.
+    """
+
+    def __init__(self, model, config: EvalConfig, context_ids, heads: str | None = None, errors: bool = True):
+        self.model, self.config, self.context_ids, self.errors = model, config, context_ids, errors
+        self.heads = heads  # DuoAttention's calibrated heads (pikv_duo_attention points)
+        self._recorded: PrefillRecord | None = None
+        self._decoders = None
+
+    def make(self, press_name: str, ratio: float):
+        from pikv_hf.eval import compression
+
+        model, ctx = self.model, self.context_ids
+        for layer in model.model.layers:  # key masks a head-wise press left for another point's cache
+            layer.self_attn.masked_key_indices = None
+        if self.config.cache == "pikv":
+            self._decoders = self._decoders or pikv_decoders(model, self.config, ctx, self.heads, self.errors)
+            return self._decoders(press_name, ratio)
+        if compression.is_compression(press_name):
+            self._recorded = self._recorded or PrefillRecord(model, ctx)
+            return compression_point(model, self._recorded, press_name, self.errors)
+        press = build_press(press_name, ratio, self.heads)
+        if press is None or replayable(press):
+            self._recorded = self._recorded or PrefillRecord(model, ctx)
+            return self._recorded.compressed_cache(press), None, {}
+        return prefill(model, ctx, press), None, {}
+
+
+def _append_row(handle, row: dict) -> None:
+    """One JSON line, flushed and fsynced (an interrupted run resumes after it)."""
+    handle.write(json.dumps(row) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer) -> list[dict]:
+    """Perplexity of ``perplexity_tokens`` held-out essay tokens after a compressed held-out context of
+    ``perplexity_context`` tokens, per point (resumable: one line per point in ``path``); [] when off."""
+    if not config.perplexity_context:
+        return []
+    from pikv_hf.eval import compression
+
+    done = {(r["press"], r["ratio"]): r for r in _read_predictions(path)}
+    pending = [(p, r) for p, r in points if (p, r) not in done]
+    if pending:
+        model, tokenizer, _ = model_and_tokenizer()
+        context = config.perplexity_context
+        ids = compression.held_out_ids(tokenizer, context + config.perplexity_tokens)
+        caches = PointCaches(model, config, ids[:, :context], errors=False)
+        with path.open("a", encoding="utf-8") as handle:
+            for press_name, ratio in pending:
+                kv, press, info = caches.make(press_name, ratio)
+                with press(model) if press is not None else contextlib.nullcontext():
+                    nll, count = compression.continuation_nll(model, kv, ids[:, context:], context)
+                row = {
+                    "press": press_name,
+                    "ratio": ratio,
+                    "context_tokens": context,
+                    "tokens": count,
+                    "nll": round(nll, 4),
+                    "perplexity": round(compression.perplexity_of(nll, count), 4),
+                    **{k: v for k, v in info.items() if k in ("kv_bytes", "simulated", "kept_per_kv_head")},
+                }
+                _append_row(handle, row)
+                done[(press_name, ratio)] = row
+    return [done[p] for p in points]
+
+
+def _compression_summary(rows: list[dict]) -> list[dict]:
+    """Per compression point: mean KV bytes, reconstruction error, tokens kept per KV head and layer (mean over its
+    rows), whether simulated, and that it is query-agnostic."""
+    from collections import defaultdict
+
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        if "kv_bytes" in row:
+            groups[(row["press"], row["ratio"], row["length"])].append(row)
+    out = []
+    for (press, ratio, length), rs in sorted(groups.items()):
+        errors = [r["reconstruction_error"] for r in rs if r.get("reconstruction_error")]
+        kept = [r["kept_per_kv_head"] for r in rs]
+        out.append(
+            {
+                "press": press,
+                "ratio": ratio,
+                "length": length,
+                "n": len(rs),
+                "kv_bytes": sum(r["kv_bytes"] for r in rs) / len(rs),
+                "simulated": rs[0]["simulated"],
+                "query_agnostic": True,
+                "kept_per_kv_head": [round(sum(k[i] for k in kept) / len(kept), 2) for i in range(len(kept[0]))],
+                "reconstruction_error": None
+                if not errors
+                else {side: sum(e[side] for e in errors) / len(errors) for side in ("keys", "values")},
+            }
+        )
+    return out
+
+
+def answer_in_press(model, press, kv, context_ids, question_ids, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """:func:`answer_from_cache`, inside ``press``'s context when one is given (a compressor keeps compressing the
+    tokens that leave its window while the answer is decoded, as kvpress's pipeline runs a decoding press)."""
+    with press(model) if press is not None else contextlib.nullcontext():
+        return answer_from_cache(model, kv, int(context_ids.shape[1]), question_ids, max_new_tokens, eos_ids)
+
+
+def pikv_decoders(model, config: EvalConfig, context_ids, heads: str | None = None, errors: bool = True):
+    """Prefill the context once into an exact ``PiKVCache``; return ``make(press, ratio) -> (cache, press, info)``.
+
+    Each call forks the prefilled cache (:class:`PrefillRecord` with the PiKVCache). A press (kvpress's or pikv_hf's)
+    compresses the fork by replaying the recorded prefill hooks; ``none``, ``pikv_routed`` and ``pikv_quest`` set the
+    decode attention (``EvalConfig.point_read``); an ``*_offload_routed`` press reads routed over both tiers; a
+    compression point is :func:`compression_point` of the recording (its press stays active while decoding).
     """
     from pikv_hf import PiKVCache
-    from pikv_hf.eval.pikv_presses import RecordedPiKVPrefill, routed_read
+    from pikv_hf.eval import compression
+    from pikv_hf.eval.pikv_presses import routed_read
 
     base = PiKVCache(model, router=config.router, num_shards=config.num_shards, page_size=config.page_size)
-    recorded = RecordedPiKVPrefill(model, base, context_ids)
+    record = PrefillRecord(model, context_ids, base)
 
     def make(press_name: str, ratio: float):
+        if compression.is_compression(press_name):
+            return compression_point(model, record, press_name, errors)
         if press_name == "none" or press_name in PIKV_MODES:
-            cache = recorded.compressed()
+            cache = record.compressed_cache()
             cache.set_attention(config.point_read(press_name, ratio, cache.num_shards))
-            return cache
-        cache = recorded.compressed(build_press(press_name, ratio, heads))
+            return cache, None, {}
+        cache = record.compressed_cache(build_press(press_name, ratio, heads))
         if press_name.endswith(ROUTED_SUFFIX):
             cache.set_attention(routed_read(config.read, cache.num_shards))
-        return cache
+        return cache, None, {}
 
     return make
+
+
+def compression_point(model, record: PrefillRecord, spec: str, errors: bool = True):
+    """``(cache, press, info)`` of a compression point: the recorded context's cache compressed by the spec's press
+    (or a QuantizedCache of its exact KV), and the row fields measured on it (see :mod:`pikv_hf.eval.compression`;
+    the reconstruction error, which costs a round trip of every layer, only with ``errors``)."""
+    from pikv_hf import PiKVCache
+    from pikv_hf.eval import compression
+
+    press = compression.build(spec)
+    if press is None:
+        kv = compression.quantized_cache(spec, model, record.exact_kv())
+    else:
+        kv = record.compressed_cache(press)
+    info = {
+        "kv_bytes": compression.kv_bytes(kv),
+        "simulated": not isinstance(kv, PiKVCache) and press is not None,
+        "query_agnostic": True,
+        "kept_per_kv_head": [round(x, 2) for x in compression.kept_per_kv_head(kv)],
+        "reconstruction_error": compression.reconstruction_error(press, record.exact_kv()) if errors else None,
+    }
+    return kv, press, info
 
 
 def _read_predictions(path: Path) -> list[dict]:
@@ -763,7 +945,7 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
 
-    from pikv_hf.eval import longbench
+    from pikv_hf.eval import compression, longbench
     from pikv_hf.eval.ruler import MAX_NEW_TOKENS
 
     torch.manual_seed(config.seed)
@@ -771,8 +953,15 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
     _warn_once(logging.getLogger("kvpress.presses.base_press"))
     previous = out / METRICS
     model_info: dict[str, Any] = json.loads(previous.read_text()).get("model_info", {}) if previous.is_file() else {}
+    loaded: list = []
+
+    def model_and_tokenizer():
+        if not loaded:
+            loaded.extend(load_model(config))
+        return loaded
+
     if pending:
-        model, tokenizer, model_info = load_model(config)
+        model, tokenizer, model_info = model_and_tokenizer()
         builder = PromptBuilder(tokenizer)
         eos_ids = eos_token_ids(model, tokenizer)
         if config.suite == "ruler":
@@ -791,35 +980,28 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
                 else:
                     example = longbench.build_example(lb_tasks[task][index], task, builder, length)
                     record, (ctx_ids, q_ids), max_new = example["record"], example["ids"], example["max_new_tokens"]
-                recorded = decoders = None
+                # reconstruction errors: first sample per task
+                caches = PointCaches(model, config, ctx_ids, heads=heads, errors=index == 0)
                 for press_name, ratio in points:
                     key = row_key(press_name, ratio, length, task, index)
                     if key in done:
                         continue
-                    press = None if config.cache == "pikv" else build_press(press_name, ratio, heads)
                     started = time.perf_counter()
-                    read = {}
-                    if config.cache == "pikv":
-                        decoders = decoders or pikv_decoders(model, config, ctx_ids, heads)
-                        kv = decoders(press_name, ratio)
-                        held = kv.resident_tokens()
-                        kept = round(float(held.float().mean()), 1)  # mean resident tokens per layer and KV head
-                        generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
-                        if kv.read.sparse:
-                            stats = kv.routing_stats()["overall"]
-                            read = {
-                                "fraction_pages_read": round(stats["fraction_pages_read"], 4),
-                                "fraction_tokens_attended": round(stats["fraction_tokens_attended"], 4),
-                                "kv_read_vs_dense": round(stats["kv_read_vs_dense"], 4),
-                            }
+                    kv, press, read = caches.make(press_name, ratio)
+                    if compression.is_compression(press_name):
+                        kept = round(sum(read["kept_per_kv_head"]) / len(read["kept_per_kv_head"]))
+                    elif config.cache == "pikv":  # mean resident tokens per layer and KV head
+                        kept = round(float(kv.resident_tokens().float().mean()), 1)
                     else:
-                        if press is None or replayable(press):
-                            recorded = recorded or PrefillRecord(model, ctx_ids)
-                            kv = recorded.compressed_cache(press)
-                        else:
-                            kv = prefill(model, ctx_ids, press)
                         kept = int(kv.layers[0].keys.shape[-2])
-                        generated = answer_from_cache(model, kv, int(ctx_ids.shape[1]), q_ids, max_new, eos_ids)
+                    generated = answer_in_press(model, press, kv, ctx_ids, q_ids, max_new, eos_ids)
+                    if config.cache == "pikv" and not compression.is_compression(press_name) and kv.read.sparse:
+                        stats = kv.routing_stats()["overall"]
+                        read = {
+                            "fraction_pages_read": round(stats["fraction_pages_read"], 4),
+                            "fraction_tokens_attended": round(stats["fraction_tokens_attended"], 4),
+                            "kv_read_vs_dense": round(stats["kv_read_vs_dense"], 4),
+                        }
                     seconds = time.perf_counter() - started
                     prediction = tokenizer.decode(generated, skip_special_tokens=True)
                     if config.suite == "ruler":
@@ -843,13 +1025,14 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
                         "depths": record.get("depths", []),
                         **read,
                     }
-                    handle.write(json.dumps(row) + "\n")
-                    handle.flush()
-                    os.fsync(handle.fileno())
+                    _append_row(handle, row)
                     done[key] = row
                     bar.update(1)
                     bar.set_postfix(task=task, press=press_name, ratio=ratio, score=f"{score:.2f}")
         bar.close()
+    perplexity = _perplexity_rows(config, points, out / PERPLEXITY, model_and_tokenizer)
+    if loaded:
+        model_info = loaded[2]
     rows = [row for key, row in done.items() if key in wanted]
     summary = summarise(rows)
     metrics = {
@@ -868,7 +1051,14 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
         "mean_seconds_per_sample": (sum(r["seconds"] for r in rows) / len(rows)) if rows else None,
         **summary,
     }
+    if any(compression.is_compression(p) for p in config.presses) or perplexity:
+        metrics["per_length"] = compression.per_length(rows)
+        metrics["compression"] = _compression_summary(rows)
+        metrics["perplexity"] = perplexity
     (out / METRICS).write_text(json.dumps(metrics, indent=2) + "\n")
+    if "per_length" in metrics:
+        title = f"{config.suite} {config.model}, {config.cache} cache ({', '.join(tasks)})"
+        compression.plot(metrics["per_length"], perplexity, out / COMPRESSION_PLOT, title)
     if len({p["ratio"] for p in summary["per_point"] if p["press"] != "none"}) > 1:
         plot_score_vs_ratio(
             summary["per_point"], out / PLOT_NAME, f"{config.suite} {config.model} ({', '.join(tasks)})"

@@ -1,19 +1,23 @@
 """Fused paged decode attention over quantised pages: int4 / int8 codes dequantised in registers, with the torch
 ``quantize_pages`` / ``dequantize_pages`` that define the layout.
 
-Page layout (the compression codec stores exactly this), bits ``b`` in {4, 8}, ``N`` pages of ``P`` slots:
+Page layout (the compression codec stores exactly this), bits ``b`` in {2, 4, 8}, ``N`` pages of ``P`` slots:
 
 ==========  =========================  =======  ==========================================================
 field       shape                      dtype    meaning
 ==========  =========================  =======  ==========================================================
 kq          ``[N, P, Dk * b // 8]``    uint8    key codes: channel ``c`` of a slot in byte ``c // (8 // b)``
                                                 at bit offset ``(c % (8 // b)) * b`` (low bits first)
-k_scale     ``[N, Dk]``                float32  per page and channel (KIVI: keys per channel, the page's
-k_zero      ``[N, Dk]``                float32  ``P`` tokens being the group)
+k_scale     ``[N, Dk]``                float*   per page and channel (KIVI: keys per channel, the page's
+k_zero      ``[N, Dk]``                float*   ``P`` tokens being the group)
 vq          ``[N, P, Dv * b // 8]``    uint8    value codes, packed as the keys
-v_scale     ``[N, P, Dv // G]``        float32  per token, groups of ``G`` channels
-v_zero      ``[N, P, Dv // G]``        float32
+v_scale     ``[N, P, Dv // G]``        float*   per token, groups of ``G`` channels
+v_zero      ``[N, P, Dv // G]``        float*
 ==========  =========================  =======  ==========================================================
+
+``float*``: float32, or float16 (KIVI's choice, which the compression codec stores by default: at 4 bits the
+float32 scales and zeros of the values alone would cost 1/8 of the codes' bytes); the four scale / zero fields share
+one dtype and the kernel dequantises in float32 either way.
 
 Dequantised: ``k[n, t, c] = code * k_scale[n, c] + k_zero[n, c]`` and
 ``v[n, t, c] = code * v_scale[n, t, c // G] + v_zero[n, t, c // G]`` (asymmetric: ``zero`` is the range minimum,
@@ -31,7 +35,8 @@ from pikv_hf.kernels._host import expect
 from pikv_hf.kernels._triton import jit, tl
 from pikv_hf.kernels.decode import prepare_split_launch
 
-BITS = (4, 8)
+BITS = (2, 4, 8)
+SCALE_DTYPES = (torch.float32, torch.float16)
 QUANT_FIELDS = ("kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero")
 
 
@@ -74,25 +79,32 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`_pack`: ``[..., B]`` uint8 -> ``[..., B * 8 // bits]`` float32 codes."""
-    shifts = torch.arange(8 // bits, device=packed.device, dtype=torch.int32) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(-2).float()
+    """Inverse of :func:`_pack`: ``[..., B]`` uint8 -> ``[..., B * 8 // bits]`` float32 codes (shifts and masks on
+    the bytes themselves, one conversion to float at the end)."""
+    mask = (1 << bits) - 1
+    codes = [(packed >> (i * bits)) & mask for i in range(8 // bits)]
+    return torch.stack(codes, -1).flatten(-2).float()
 
 
 def _affine(
-    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes of ``x`` on the ``2**bits`` levels spanning ``[lo, hi]`` (``x`` reduced over ``dim``) and the level
-    spacing (the shape of ``lo``)."""
+    x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int, dim: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes of ``x`` on the ``2**bits`` levels spanning ``[lo, hi]`` (``x`` reduced over ``dim``), the level
+    spacing and the zero (the shape of ``lo``, stored as ``dtype``; the codes round against the stored values)."""
     levels = (1 << bits) - 1
-    scale = (hi - lo) / levels
-    step = torch.where(scale > 0, scale, 1.0).unsqueeze(dim)
-    return torch.round((x - lo.unsqueeze(dim)) / step).clamp(0, levels), scale
+    zero = lo.to(dtype)
+    scale = ((hi - zero.float()) / levels).to(dtype)
+    step = torch.where(scale > 0, scale.float(), 1.0).unsqueeze(dim)
+    return torch.round((x - zero.float().unsqueeze(dim)) / step).clamp(0, levels), scale, zero
 
 
 def quantize_pages(
-    keys: torch.Tensor, values: torch.Tensor, bits: int, group: int, valid: torch.Tensor | None = None
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bits: int,
+    group: int,
+    valid: torch.Tensor | None = None,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> QuantPages:
     """Quantise pages of keys (per page and channel) and values (per token, groups of ``group`` channels).
 
@@ -102,11 +114,14 @@ def quantize_pages(
         ``[N, P, Dk]`` and ``[N, P, Dv]`` floats; ``Dk`` and ``Dv`` multiples of ``8 // bits``, ``Dv`` of
         ``group``.
     bits : int
-        4 or 8.
+        2, 4 or 8.
     group : int
         Value channels per scale.
     valid : torch.Tensor, optional
         ``[N, P]`` bool: only valid slots set a page's key range (empty slots then decode to the range minimum).
+    scale_dtype : torch.dtype
+        Dtype of the scales and zeros (float32 or float16). The codes are computed against the stored (rounded)
+        zero and scale, so rounding them costs no more than one level.
 
     Returns
     -------
@@ -114,6 +129,8 @@ def quantize_pages(
         The fields of the module docstring.
     """
     _check_bits(bits)
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {scale_dtype!r}")
     n, p, dk = keys.shape
     dv = values.shape[-1]
     per = 8 // bits
@@ -125,20 +142,21 @@ def quantize_pages(
     hi = k.masked_fill(~ok.unsqueeze(-1), float("-inf")).amax(1)
     empty = ~ok.any(1, keepdim=True)  # pages with no valid slot: a zero range
     lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
-    k_codes, k_scale = _affine(k, lo, hi, bits, 1)
+    k_codes, k_scale, k_zero = _affine(k, lo, hi, bits, 1, scale_dtype)
     v = values.float().view(n, p, dv // group, group)
-    v_lo, v_hi = v.amin(-1), v.amax(-1)
-    v_codes, v_scale = _affine(v, v_lo, v_hi, bits, -1)
-    return QuantPages(_pack(k_codes, bits), k_scale, lo, _pack(v_codes.view(n, p, dv), bits), v_scale, v_lo, bits)
+    v_codes, v_scale, v_zero = _affine(v, v.amin(-1), v.amax(-1), bits, -1, scale_dtype)
+    return QuantPages(_pack(k_codes, bits), k_scale, k_zero, _pack(v_codes.view(n, p, dv), bits), v_scale, v_zero, bits)
 
 
 def dequantize_pages(quant: QuantPages) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 keys ``[N, P, Dk]`` and values ``[N, P, Dv]`` of quantised pages (the kernel's loads, in torch)."""
     _check_bits(quant.bits)
-    keys = _unpack(quant.kq, quant.bits) * quant.k_scale.unsqueeze(1) + quant.k_zero.unsqueeze(1)
+    keys = torch.addcmul(
+        quant.k_zero.float().unsqueeze(1), _unpack(quant.kq, quant.bits), quant.k_scale.float().unsqueeze(1)
+    )
     n, p, _ = quant.vq.shape
     codes = _unpack(quant.vq, quant.bits).view(n, p, -1, quant.group)
-    values = codes * quant.v_scale.unsqueeze(-1) + quant.v_zero.unsqueeze(-1)
+    values = torch.addcmul(quant.v_zero.float().unsqueeze(-1), codes, quant.v_scale.float().unsqueeze(-1))
     return keys, values.view(n, p, quant.v_dim)
 
 
@@ -167,11 +185,13 @@ def load_quant_kv(
     """The split kernel's ``LOAD_KV`` for quantised pages ``kv = (kq, k_scale, k_zero, vq, v_scale, v_zero)``:
     float32 keys ``[BLOCK_N, BLOCK_DK]`` and values ``[BLOCK_N, BLOCK_DV]`` dequantised in registers."""
     k_at = page[:, None] * DK + dk[None, :]  # per page and channel
-    k = _codes(kv[0], slot, dk, k_mask, DK * BITS // 8, BITS) * tl.load(kv[1] + k_at, mask=k_mask, other=0.0)
-    k += tl.load(kv[2] + k_at, mask=k_mask, other=0.0)
+    k_scale = tl.load(kv[1] + k_at, mask=k_mask, other=0.0).to(tl.float32)
+    k = _codes(kv[0], slot, dk, k_mask, DK * BITS // 8, BITS) * k_scale
+    k += tl.load(kv[2] + k_at, mask=k_mask, other=0.0).to(tl.float32)
     v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]  # per token and group of channels
-    v = _codes(kv[3], slot, dv, v_mask, DV * BITS // 8, BITS) * tl.load(kv[4] + v_at, mask=v_mask, other=0.0)
-    return k, v + tl.load(kv[5] + v_at, mask=v_mask, other=0.0)
+    v_scale = tl.load(kv[4] + v_at, mask=v_mask, other=0.0).to(tl.float32)
+    v = _codes(kv[3], slot, dv, v_mask, DV * BITS // 8, BITS) * v_scale
+    return k, v + tl.load(kv[5] + v_at, mask=v_mask, other=0.0).to(tl.float32)
 
 
 def decode_attention_quant(
@@ -203,7 +223,7 @@ def decode_attention_quant(
     )  # fmt: skip
     n, p = pos.shape
     dk, dv, dev = query.shape[-1], quant.v_dim, query.device
-    f32 = (torch.float32,)
+    f32 = (quant.k_scale.dtype,) if quant.k_scale.dtype in SCALE_DTYPES else SCALE_DTYPES
     expect("kq", quant.kq, (n, p, dk * quant.bits // 8), (torch.uint8,), dev)
     expect("k_scale", quant.k_scale, (n, dk), f32, dev)
     expect("k_zero", quant.k_zero, (n, dk), f32, dev)

@@ -193,17 +193,29 @@ class PiKVScorerPress(ScorerPress):
         return keep_mask(layer, self.decode_scores(layer, n_kept), n_kept, self.shard_budget)
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        cache = kwargs["past_key_values"]
-        if not isinstance(cache, PiKVCache):
+        if not isinstance(kwargs["past_key_values"], PiKVCache):
             return super().forward_hook(module, input, kwargs, output)
-        hidden_states = kwargs["hidden_states"]
-        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]) or self.compression_ratio == 0:
+        layer = prefill_layer(module, kwargs, self.compression_ratio)
+        if layer is None:
             return output
-        layer = cache.layers[module.layer_idx]
         view = layer.view()
-        scores = self.score(module, hidden_states, view.keys, view.values, output[1], kwargs)
-        evict_lowest(layer, scores, self.compression_ratio, self.shard_budget, self.offload)
+        scores = self.score(module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs)
+        evict_lowest(layer, scores, self.layer_ratio(module, view.pos.shape[-1]), self.shard_budget, self.offload)
         return output
+
+    def layer_ratio(self, module: nn.Module, length: int) -> float:
+        """The ``compression_ratio`` applied to ``module``'s layer of ``length`` tokens (the same for every layer
+        here; layer-wise budgets override it)."""
+        return self.compression_ratio
+
+
+def prefill_layer(module: nn.Module, kwargs: dict, compression_ratio: float) -> PiKVLayer | None:
+    """The PiKVCache layer a press hook compresses in this call: None unless the call prefills (several new tokens)
+    and ``compression_ratio`` is above 0."""
+    hidden_states = kwargs["hidden_states"]
+    if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]) or compression_ratio == 0:
+        return None
+    return kwargs["past_key_values"].layers[module.layer_idx]
 
 
 def check_offload(value: str | None) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.codecs import Codec, IdentityCodec
+from pikv_hf.codecs.base import PageBatch
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.store.pool import FieldSpec, PagePool
 from pikv_hf.store.summary import ShardStats
@@ -176,20 +177,52 @@ class PagedStore:
             slot = slot.masked_fill(~present, -1)
             take = present.reshape(-1)
             k, v, sh, pos, bhs, flat = (x[take] for x in (k, v, sh, pos, bhs, flat))
-        encoded = self.codec.encode(k, v)
-        for name, t in encoded.items():
-            self.pool.write(name, flat, t)
+        if not self.codec.page_level:
+            for name, t in self.codec.encode(k, v).items():
+                self.pool.write(name, flat, t)
         self.pool.write("pos", flat, pos)
         self.pool.write("valid", flat, torch.ones(flat.numel(), dtype=torch.bool, device=self.device))
+        if self.codec.page_level:
+            self._append_pages(flat, k, v)
         for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
             fresh = pos if name == "last_access" else torch.zeros(flat.numel(), device=self.device)
-            self.pool.write(name, flat, fresh)
+            self.pool.write(name, flat, fresh.to(self.pool.specs[name].dtype))
         page = flat.div(self.page_size, rounding_mode="floor")
         self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
         self.stats.add(bhs, k)
         if self.page_bounds_kept:
             self._fold_page_bounds(page, k)
         return slot
+
+    def _append_pages(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Page-level codecs: re-encode every page that tokens ``keys`` / ``values`` (``[M, D]``, at flat slots
+        ``flat``) land in, from their decoded content plus the new tokens."""
+        p = self.page_size
+        pages, inv = flat.div(p, rounding_mode="floor").unique(return_inverse=True)
+        old = {name: self.pool.gather(name, pages) for name in self.kv_fields}
+        dec_k, dec_v = self.codec.decode(old)
+        at = inv * p + flat % p
+        dec_k = dec_k.reshape(-1, self.k_dim).index_copy(0, at, keys.to(dec_k.dtype))
+        dec_v = dec_v.reshape(-1, self.v_dim).index_copy(0, at, values.to(dec_v.dtype))
+        fresh = torch.zeros(pages.numel() * p, dtype=torch.bool, device=self.device).index_fill_(0, at, True)
+        self._encode_pages(pages, dec_k.view(-1, p, self.k_dim), dec_v.view(-1, p, self.v_dim), fresh.view(-1, p), old)
+
+    def _encode_pages(
+        self,
+        pages: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        fresh: torch.Tensor,
+        old: dict[str, torch.Tensor],
+    ) -> None:
+        batch = PageBatch(keys, values, self.pool.gather("valid", pages), fresh, self.page_heads()[pages], old)
+        for name, t in self.codec.encode_pages(batch).items():
+            self.pool[name].index_copy_(0, pages, t.to(self.pool[name].dtype))
+
+    def page_heads(self) -> torch.Tensor:
+        """``[N]`` int64 KV head owning each pool page (runs lie back to back in (row, head) order)."""
+        run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(self.table.cap.reshape(-1))
+        return run % self.heads
 
     def _bhs(self, shard: torch.Tensor) -> torch.Tensor:
         """Flat ``(row, head, shard)`` index of ``[B, H, n]`` shard ids."""
@@ -256,7 +289,15 @@ class PagedStore:
         src_of_slot = torch.full((total * p,), -1, dtype=torch.int64, device=self.device)
         src_of_slot[dst] = src
         bounds = self.page_bounds_kept
+        if self.codec.page_level:  # decoded before the slots move: their pages' fields are rebuilt below
+            dec_k, dec_v = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
         self.pool.remap_slots(src_of_slot, {"shard": shard_of_page})
+        if self.codec.page_level and total:
+            take = src_of_slot.clamp(min=0)
+            keys = dec_k.reshape(-1, self.k_dim)[take].view(total, p, self.k_dim)
+            values = dec_v.reshape(-1, self.v_dim)[take].view(total, p, self.v_dim)
+            every = torch.arange(total, device=self.device)
+            self._encode_pages(every, keys, values, torch.zeros_like(self.pool["valid"]), dict(self.pool.fields))
         t.n_pages = n_pages
         t.open_page = torch.where(count > 0, page_base + npg - 1, -1)
         t.open_fill = torch.where(count > 0, count - (npg - 1) * p, 0)

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from kvpress.presses.base_press import BasePress, is_prefilling
+from kvpress.presses.base_press import BasePress
 from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
 from pikv_hf.checks import check_int_at_least, check_ratio
-from pikv_hf.presses.base import check_offload, drop_or_offload, to_frame
+from pikv_hf.presses.base import check_offload, drop_or_offload, prefill_layer, to_frame
 from pikv_hf.presses.queries import model_queries
 
 
@@ -170,12 +170,11 @@ class DuoAttentionPress(BasePress):
         return keys, values
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        cache = kwargs["past_key_values"]
-        if not isinstance(cache, PiKVCache):
+        if not isinstance(kwargs["past_key_values"], PiKVCache):
             return super().forward_hook(module, input, kwargs, output)
-        if not is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]) or not self.compression_ratio:
+        layer = prefill_layer(module, kwargs, self.compression_ratio)
+        if layer is None:
             return output
-        layer = cache.layers[module.layer_idx]
         view = layer.view_index()
         drop_or_offload(layer, to_frame(layer, view, self.keep_view(module.layer_idx, view.pos)), self.offload)
         return output

@@ -6,13 +6,12 @@ from dataclasses import dataclass
 
 import kvpress
 import torch
-from kvpress.presses.base_press import is_prefilling
 from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
 from pikv_hf.layer import PiKVLayer
-from pikv_hf.presses.base import PiKVScorerPress, check_offload, drop_or_offload, to_frame
+from pikv_hf.presses.base import PiKVScorerPress, check_offload, drop_or_offload, prefill_layer, to_frame
 
 
 def adaptive_keep(scores: torch.Tensor, pos: torch.Tensor, n_kept: int, alpha: float) -> torch.Tensor:
@@ -64,15 +63,13 @@ class AdaKVPress(kvpress.AdaKVPress):
         check_offload(self.offload)
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        cache = kwargs["past_key_values"]
-        if not isinstance(cache, PiKVCache):
+        if not isinstance(kwargs["past_key_values"], PiKVCache):
             return super().forward_hook(module, input, kwargs, output)
-        hidden_states = kwargs["hidden_states"]
-        if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]) or self.compression_ratio == 0:
+        layer = prefill_layer(module, kwargs, self.compression_ratio)
+        if layer is None:
             return output
-        layer = cache.layers[module.layer_idx]
         view = layer.view()
-        scores = self.press.score(module, hidden_states, view.keys, view.values, output[1], kwargs)
+        scores = self.press.score(module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs)
         n_kept = compute_n_kept(view.pos.shape[-1], self.compression_ratio)
         keep_view = adaptive_keep(scores, view.pos, n_kept, self.alpha_safeguard)
         drop_or_offload(layer, to_frame(layer, view, keep_view), self.offload)

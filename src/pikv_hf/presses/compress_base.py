@@ -1,0 +1,243 @@
+"""What the compressor presses share: a residual window of recent full-precision tokens, the older tokens held by a
+codec that stores them compressed, and the reports (reconstruction error, bytes per token).
+
+A compressor press is a kvpress ``PrefillDecodingPress`` (so kvpress's pipeline keeps its hook on during decoding)
+whose hook runs after every attention layer, at prefill and at decode steps:
+
+* on a ``PiKVCache`` it moves the layer's tokens older than the last ``window`` positions (and past the first
+  ``n_sink``, by default none) from the hot store into the
+  layer's ``"compressed"`` tier, a ``PagedStore`` whose codec stores them compressed (pages of
+  :attr:`CompressorPress.page_size` tokens): at prefill end all of them, during decoding whenever at least a page of
+  them has gathered. ``cache.kv_nbytes()`` falls by what the codec saves; attention reads both stores and merges
+  them exactly (the tier's pages decoded on read);
+* on any other cache (``DynamicCache``) it simulates that, as kvpress presses do: the keys and values of the same
+  tokens, in consecutive pages of ``page_size``, are replaced by their reconstruction ``D(E(x))``, so results can be
+  compared with kvpress's presses. Tokens past the last whole page stay exact there (as KIVI's residual).
+
+The prefill's own attention reads full-precision keys (the hook runs after it), as in KIVI. Compression stacks
+after eviction: ``kvpress.ComposedPress([StreamingLLMPress(0.5), QuantPress(bits=4)])`` evicts, then compresses
+what is kept (a selection of a layer that already holds a compressed tier is refused: evict first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from kvpress.presses.base_press import BasePress, is_prefilling
+from kvpress.presses.decoding_press import DecodingPress
+from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
+from torch import nn
+
+from pikv_hf.cache import PiKVCache
+from pikv_hf.checks import check_int_at_least
+from pikv_hf.codecs.base import Codec, PageBatch
+from pikv_hf.layer import PiKVLayer
+
+TIER = "compressed"
+
+
+def head_dim_of(model: nn.Module) -> int:
+    cfg = model.config.get_text_config()
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def roundtrip(codec: Codec, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> tuple[torch.Tensor, ...]:
+    """``D(E(x))`` of ``[B, H, T, Dk]`` keys and ``[B, H, T, Dv]`` values through ``codec``, in pages of ``page_size``
+    consecutive tokens of each (row, head) (the last one partly filled), fields cast to their stored dtypes."""
+    b, h, t, dk = keys.shape
+    dv = values.shape[-1]
+    w = -(-t // page_size)
+    pad = w * page_size - t
+    pages = b * h * w
+
+    def paged(x: torch.Tensor) -> torch.Tensor:
+        return F.pad(x, (0, 0, 0, pad)).reshape(pages, page_size, x.shape[-1])
+
+    valid = (torch.arange(w * page_size, device=keys.device) < t).expand(pages // w, -1).reshape(pages, page_size)
+    heads = torch.arange(h, device=keys.device).repeat_interleave(w).repeat(b)
+    specs = codec.fields(dk, dv, keys.dtype)
+    old = {
+        name: torch.full((pages, *s.shape) if s.per_page else (pages, page_size, *s.shape), s.fill, dtype=s.dtype)
+        for name, s in specs.items()
+    }
+    if codec.page_level:
+        fields = codec.encode_pages(PageBatch(paged(keys), paged(values), valid, valid, heads, old))
+    else:
+        fields = codec.encode(paged(keys).reshape(-1, dk), paged(values).reshape(-1, dv))
+        fields = {name: x.view(pages, page_size, *x.shape[1:]) for name, x in fields.items()}
+    k, v = codec.decode({name: x.to(specs[name].dtype) for name, x in fields.items()})
+    return k.reshape(b, h, w * page_size, dk)[:, :, :t], v.reshape(b, h, w * page_size, dv)[:, :, :t]
+
+
+def relative_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """``||x - x^|| / ||x||`` (Frobenius, float64)."""
+    x = x.double()
+    return float((x - x_hat.double()).norm() / x.norm().clamp(min=torch.finfo(torch.float64).tiny))
+
+
+def cache_report(cache: PiKVCache) -> dict:
+    """Bytes and tokens of every layer of a ``PiKVCache``, measured on the tensors it holds.
+
+    Returns
+    -------
+    dict
+        ``layers``: per layer ``tokens`` (per (row, KV head), mean), ``compressed_tokens`` (in the compressed tier),
+        ``kv_bytes`` (``layer.kv_nbytes()``: every store on the device), ``compressed_bytes`` (the tier's) and
+        ``bytes_per_token`` (``kv_bytes`` per sequence position seen and batch row, all KV heads: the figure a
+        ``DynamicCache`` holds as ``2 * H * D * itemsize``, so eviction lowers it too); ``kv_bytes`` and
+        ``bytes_per_token`` over all layers.
+    """
+    layers = []
+    for layer in cache.layers:
+        st = layer.store
+        if st is None:
+            continue
+        rows_heads = st.batch * st.heads
+        tier = layer.tiers.get(TIER)
+        tokens = int(layer.tokens_per_shard().sum()) / rows_heads
+        kv = layer.kv_nbytes()
+        layers.append(
+            {
+                "tokens": tokens,
+                "compressed_tokens": 0 if tier is None else int(tier.tokens_per_shard().sum()) / rows_heads,
+                "kv_bytes": kv,
+                "compressed_bytes": 0 if tier is None else tier.kv_nbytes(),
+                "bytes_per_token": kv / max(layer.get_seq_length(), 1) / st.batch,
+            }
+        )
+    total = sum(la["kv_bytes"] for la in layers)
+    return {"layers": layers, "kv_bytes": total, "bytes_per_token": sum(la["bytes_per_token"] for la in layers)}
+
+
+@dataclass
+class CompressorPress(PrefillDecodingPress):
+    """Base of the compressor presses (module docstring): subclasses set :attr:`page_size` and build each layer's
+    codec (:meth:`build_codec`).
+
+    Parameters
+    ----------
+    window : int
+        Most recent positions kept in full precision (KIVI's residual), >= 0.
+    n_sink : int
+        First positions kept in full precision too (attention sinks, whose large keys would otherwise set the key
+        range of their page), >= 0; default 0 (KIVI).
+    """
+
+    prefilling_press: BasePress | None = field(default=None, init=False, repr=False)
+    decoding_press: DecodingPress | None = field(default=None, init=False, repr=False)
+    window: int = 128
+    n_sink: int = 0
+    # tokens are held compressed, not removed: what kvpress's ComposedPress multiplies into its ratio
+    compression_ratio: float = field(default=0.0, init=False, repr=False)
+    replays_prefill: ClassVar[bool] = True  # its prefill hook may be replayed on a copy of the cache (eval)
+
+    def __post_init__(self) -> None:
+        check_int_at_least("window", self.window, 0)
+        check_int_at_least("n_sink", self.n_sink, 0)
+        self.check()
+        self._codecs: dict[int, Codec] = {}  # DynamicCache simulation: per layer, since its prefill
+        self._simulated: dict[int, int] = {}  # DynamicCache simulation: tokens reconstructed per layer
+
+    # ------------------------------------------------------------------ what a compressor defines
+    @property
+    def page_size(self) -> int:
+        """Tokens per compressed page: KIVI's token group of keys, the block of block PCA; 16 for per-token codecs,
+        whose pages only group a KV head's tokens (the projection codecs' 2-byte head id per page)."""
+        return 16
+
+    def check(self) -> None:
+        """Validate the press's own fields (``ValueError`` naming the parameter)."""
+
+    def setup(self, model: nn.Module) -> None:
+        """Checks against the model and loading of fitted artefacts (``post_init_from_model``)."""
+
+    def build_codec(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> Codec:
+        """The codec of layer ``layer_idx``; ``keys`` / ``values`` (``[B, H, n, D]``, zeros where not compressed) are
+        the first tokens it will hold."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ kvpress protocol
+    def post_init_from_model(self, model: nn.Module) -> None:
+        self.setup(model)  # the simulation's state is kept: kvpress's pipeline enters the press again to decode
+
+    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        cache = kwargs["past_key_values"]
+        prefilling = is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
+        if isinstance(cache, PiKVCache):
+            self.compress_layer(cache.layers[module.layer_idx], prefilling)
+        else:
+            self.simulate(cache.layers[module.layer_idx], module.layer_idx, prefilling)
+        return output
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        """kvpress's ``compress``: the keys and values with every whole page between the sinks and the window
+        reconstructed."""
+        s = min(self.n_sink, keys.shape[2])
+        n = self._span(keys.shape[2], s)
+        if n == 0:
+            return keys, values
+        k, v = keys[:, :, s : s + n], values[:, :, s : s + n]
+        k_hat, v_hat = roundtrip(self.build_codec(module.layer_idx, k, v), k, v, self.page_size)
+        cat = lambda x, x_hat: torch.cat([x[:, :, :s], x_hat, x[:, :, s + n :]], 2)  # noqa: E731
+        return cat(keys, k_hat), cat(values, v_hat)
+
+    # ------------------------------------------------------------------ the two caches
+    def _span(self, length: int, done: int) -> int:
+        """Whole pages of tokens in ``[done, length - window)``."""
+        return max(0, (length - self.window - done) // self.page_size * self.page_size)
+
+    def simulate(self, layer, layer_idx: int, prefilling: bool) -> None:
+        """DynamicCache: reconstruct, in place, the whole pages of tokens that left the window since the last call."""
+        if prefilling:
+            self._simulated[layer_idx] = self.n_sink
+            self._codecs.pop(layer_idx, None)
+        done = self._simulated.get(layer_idx, self.n_sink)
+        keys, values = layer.keys, layer.values
+        n = self._span(keys.shape[2], done)
+        if n == 0:
+            return
+        span = slice(done, done + n)
+        if layer_idx not in self._codecs:  # built from the first tokens compressed, kept for the decode steps
+            self._codecs[layer_idx] = self.build_codec(layer_idx, keys[:, :, span], values[:, :, span])
+        codec = self._codecs[layer_idx]
+        k_hat, v_hat = roundtrip(codec, keys[:, :, span], values[:, :, span], self.page_size)
+        keys[:, :, span] = k_hat.to(keys.dtype)
+        values[:, :, span] = v_hat.to(values.dtype)
+        self._simulated[layer_idx] = done + n
+
+    def compress_layer(self, layer: PiKVLayer, prefilling: bool) -> None:
+        """PiKVCache: move the hot store's tokens older than the window into the compressed tier (at prefill, or once
+        a page of them has gathered)."""
+        st = layer.store
+        if st is None:
+            return
+        if layer.partition is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: layer {layer.layer_idx} keeps its shards in partitions (distributed); "
+                "compressed tiers are not supported there"
+            )
+        pos = st.frame("pos")
+        old = st.frame("valid") & (pos < layer.seen - self.window) & (pos >= self.n_sink)
+        n = int(old.sum(-1).max()) if old.numel() else 0
+        if n == 0 or (not prefilling and n < self.page_size):
+            return
+        if TIER not in layer.tiers:
+            keys, values = st.frame_kv()
+            mask = ~old.unsqueeze(-1)
+            codec = self.build_codec(layer.layer_idx, keys.masked_fill(mask, 0), values.masked_fill(mask, 0))
+            layer.tier(TIER, codec, page_size=self.page_size)
+        layer.move_to_tier(TIER, ~old)
+
+    # ------------------------------------------------------------------ reports
+    def reconstruction_error(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0) -> dict[str, float]:
+        """``||K - D(E(K))|| / ||K||`` and the same for values, of ``[B, H, T, D]`` tensors through layer
+        ``layer_idx``'s codec, in pages of ``page_size`` consecutive tokens."""
+        k_hat, v_hat = roundtrip(self.build_codec(layer_idx, keys, values), keys, values, self.page_size)
+        return {"keys": relative_error(keys, k_hat), "values": relative_error(values, v_hat)}
+
+    def report(self, cache: PiKVCache) -> dict:
+        """:func:`cache_report` of a ``PiKVCache`` this press compressed."""
+        return cache_report(cache)
