@@ -49,3 +49,13 @@ def test_cli_subprocess_prints_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == "pikv-hf eval: error: samples must be >= 1, got 0\n"
     assert not any(tmp_path.iterdir())
+
+
+def test_real_model_demo_answers_the_planted_fact_three_ways(capsys):
+    # the offline SmolLM2: full, routed and Quest + 4-bit caches all give the planted number (exit status 0 says so)
+    assert main(["demo", "--context", "1024"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.endswith("[ok]")]
+    assert [row.split()[0] for row in rows] == ["full", "routed", "quest"]
+    full, routed, quest = (float(row.split("MiB")[0].split()[-1]) for row in rows)
+    assert routed >= full * 0.95 and quest < 0.4 * full  # routing stores everything; 4-bit pages hold much less

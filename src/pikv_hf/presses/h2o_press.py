@@ -59,7 +59,7 @@ class H2OPress(PiKVScorerPress):
 
     def score(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
         t = keys.shape[2]
-        stats = attention_statistics(module, hidden_states, keys, kwargs)
+        stats = attention_statistics(module, hidden_states, keys, kwargs, with_hits=False)
         pos = torch.arange(t, device=keys.device).expand_as(stats.mass)
         return keep_newest(self._with_recent(stats.mass, pos, compute_n_kept(t, self.compression_ratio)))
 

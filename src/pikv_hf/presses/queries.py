@@ -70,15 +70,15 @@ class AttentionStatistics:
     """Per key of a prefill (``[B, H, T]``, KV heads): accumulated probability, hits and the last hitting query."""
 
     mass: torch.Tensor
-    hits: torch.Tensor
-    last_hit: torch.Tensor  # position of the last query that hit the key; -1 if none
+    hits: torch.Tensor | None  # None when only the mass was asked for
+    last_hit: torch.Tensor | None  # position of the last query that hit the key; -1 if none
 
 
 _MEMO: dict[int, dict] = {}  # id(hidden states) -> {(module, keys shape): statistics}, dropped with the tensor
 
 
 def attention_statistics(
-    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict, with_hits: bool = True
 ) -> AttentionStatistics:
     """Causal attention statistics of the queries of ``hidden_states`` (``[B, q, hidden]``, the last ``q`` of the
     ``T`` tokens: the whole prefill, or hidden states buffered over decode steps) over ``keys`` (``[B, H, T, D]``,
@@ -86,6 +86,7 @@ def attention_statistics(
     by it when the probability the query's ``G`` rows give it, summed, exceeds ``G`` over the number of keys the query
     sees (sliding-window layers see their window). Attention sinks (GPT-OSS ``s_aux``) are not modelled.
 
+    ``with_hits=False`` computes the mass alone (H2O), about half the work; ``hits`` and ``last_hit`` are then None.
     The result is remembered for these very ``hidden_states`` (a weak reference: it goes with them), so presses
     replayed on one recorded prefill (several presses and ratios) compute it once per layer.
     """
@@ -94,13 +95,13 @@ def attention_statistics(
         weakref.finalize(hidden_states, _MEMO.pop, id(hidden_states), None)
     memo = _MEMO[id(hidden_states)]
     key = (id(module), tuple(keys.shape))
-    if key not in memo:
-        memo[key] = _attention_statistics(module, hidden_states, keys, kwargs)
+    if key not in memo or (with_hits and memo[key].hits is None):
+        memo[key] = _attention_statistics(module, hidden_states, keys, kwargs, with_hits)
     return memo[key]
 
 
 def _attention_statistics(
-    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict
+    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict, with_hits: bool
 ) -> AttentionStatistics:
     t = keys.shape[2]
     first = t - hidden_states.shape[1]
@@ -113,18 +114,25 @@ def _attention_statistics(
     mass = torch.zeros(b, h, t, device=keys.device)
     hits = torch.zeros(b, h, t, dtype=torch.int64, device=keys.device)
     last = torch.full((b, h, t), -1, dtype=torch.int64, device=keys.device)
-    chunk = max(1, _SCORE_BUDGET_BYTES // max(1, b * hq * t * 4))
+    # query chunks bound the [B, Hq, chunk, keys] scores; a chunk scores only the keys its last query can see
+    chunk = min(max(1, _SCORE_BUDGET_BYTES // max(1, b * hq * t * 4)), max(64, -(-n // 8)))
     key_pos = torch.arange(t, device=keys.device)
+    keys32 = keys.float()
     for start in range(0, n, chunk):
-        index = torch.arange(start, min(n, start + chunk), device=keys.device)
+        stop = min(n, start + chunk)
+        end = first + stop  # keys [0, end) hold everything these queries see
+        index = torch.arange(start, stop, device=keys.device)
         rows = index + first  # token positions of these queries
         qc = queries[:, :, index].reshape(b, h, g, len(index), d)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qc.float(), keys.float()) * scale
-        rel = rows.view(-1, 1) - key_pos.view(1, -1)  # [q, T] query - key distance
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qc.float(), keys32[:, :, :end]) * scale
+        rel = rows.view(-1, 1) - key_pos[:end].view(1, -1)  # [q, end] query - key distance
         visible = (rel >= 0) & (rel < window) if window else rel >= 0
-        prob = logits.masked_fill(~visible, float("-inf")).softmax(-1).sum(2)  # [B, H, q, T], summed over G
-        mass += prob.sum(2)
-        hit = prob > (g / visible.sum(-1).float()).view(1, 1, -1, 1)
-        hits += hit.sum(2)
-        last = torch.maximum(last, torch.where(hit, rows.view(1, 1, -1, 1), -1).amax(2))
+        prob = logits.masked_fill(~visible, float("-inf")).softmax(-1).sum(2)  # [B, H, q, end], summed over G
+        mass[..., :end] += prob.sum(2)
+        if with_hits:
+            hit = prob > (g / visible.sum(-1).float()).view(1, 1, -1, 1)
+            hits[..., :end] += hit.sum(2)
+            last[..., :end] = torch.maximum(last[..., :end], torch.where(hit, rows.view(1, 1, -1, 1), -1).amax(2))
+    if not with_hits:
+        return AttentionStatistics(mass=mass, hits=None, last_hit=None)
     return AttentionStatistics(mass=mass, hits=hits, last_hit=last)
