@@ -254,3 +254,28 @@ def test_presses_inside_pikv_cache_answer_as_on_dynamic_cache(model_dir, tmp_pat
         assert twin["prediction"] == row["prediction"]
         assert twin["kept_context_tokens"] == row["kept_context_tokens"]  # resident tokens per layer and KV head
     assert dyn["complete"] and pikv["complete"]
+
+
+def test_longbench_end_to_end_through_the_command_line(model_dir, tmp_path, capsys):
+    # every dataset family of the fixture, with its own metric, through `pikv-hf eval` into a PiKVCache
+    from pikv_hf.eval import longbench
+
+    datasets = sorted(p.stem for p in (FIXTURES / "longbench").glob("*.jsonl"))
+    out = tmp_path / "lb"
+    args = ["eval", "--suite", "longbench", "--longbench-dir", str(FIXTURES / "longbench"), "--model", model_dir]
+    args += ["--tasks", ",".join(datasets), "--cache", "pikv", "--press", "none", "pikv_h2o", "--ratio", "0.5"]
+    assert cli_main([*args, "--samples", "1", "--length", "512", "--no-progress", "--out", str(out)]) == 0
+    assert "complete=True" in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert sorted(t["task"] for t in metrics["per_task"] if t["press"] == "none") == datasets
+    metric_names = {longbench.DATASET_METRIC[longbench.base_dataset(d)] for d in datasets}
+    assert metric_names == set(longbench.DATASET_METRIC.values())  # the fixture exercises every metric
+    records = {d: longbench.load_dataset_rows(d, str(FIXTURES / "longbench"))[0] for d in datasets}
+    for row in _rows(out):
+        record = records[row["task"]]
+        expected = longbench.score_example(row["task"], row["prediction"], record["answers"], record["all_classes"])
+        assert row["score"] == pytest.approx(expected)
+        if row["press"] == "pikv_h2o":
+            assert row["kept_context_tokens"] == pytest.approx(
+                row["context_tokens"] - row["context_tokens"] // 2, abs=1
+            )
