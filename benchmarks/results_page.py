@@ -1299,7 +1299,29 @@ def headline_kvpress(rec: Recorder) -> tuple[str, str, str] | None:
     )
 
 
-HEADLINE = [headline_exact, headline_decode, headline_quality, headline_kvpress]
+def headline_scheduling(rec: Recorder) -> tuple[str, str, str] | None:
+    """Scheduling presses at ratio 0.5 on 2048-token needles: the uncompressed score, the best query-agnostic
+    eviction press of each library, and Quest's query-aware page reads."""
+    p = f"{EVAL}/scheduling_smollm2/metrics.json"
+    if not rec.exists(p):
+        return None
+    points = rec.load(p)["per_point"]
+    evicting = [q for q in points if q["ratio"] == 0.5 and q["press"] not in ("pikv_quest", "pikv_flexgen")]
+    ours = max((q for q in evicting if q["press"].startswith("pikv_")), key=lambda q: q["score"])["press"]
+    theirs = max((q for q in evicting if not q["press"].startswith("pikv_")), key=lambda q: q["score"])["press"]
+
+    def score(press: str, ratio: float) -> str:
+        return rec.fig("pct", row(p, "per_point", "score", press=press, ratio=ratio))
+
+    return (
+        "Needle score at ratio 0.5 (2048 tokens), eviction at prefill (query-agnostic) vs Quest reads",
+        f"full {score('none', 0.0)}; best pikv_hf eviction {ours} {score(ours, 0.5)}, best kvpress {theirs} "
+        f"{score(theirs, 0.5)}; Quest (query-aware) {score('pikv_quest', 0.5)}",
+        "Scheduling quality",
+    )
+
+
+HEADLINE = [headline_exact, headline_decode, headline_quality, headline_scheduling, headline_kvpress]
 
 # ------------------------------------------------------------------------------------------------------ assembly
 

@@ -279,3 +279,17 @@ def test_longbench_end_to_end_through_the_command_line(model_dir, tmp_path, caps
             assert row["kept_context_tokens"] == pytest.approx(
                 row["context_tokens"] - row["context_tokens"] // 2, abs=1
             )
+
+
+def test_protocol_names_query_aware_and_agnostic_points():
+    def protocol(presses, cache="pikv"):
+        return runner._protocol(
+            EvalConfig(suite="ruler", model="smollm2", presses=presses, ratios=[0.5], out="x", cache=cache)
+        )
+
+    assert protocol(["none", "pikv_h2o", "snapkv"])["query_aware"] is False
+    assert protocol(["none", "pikv_routed"])["query_aware"] is True
+    mixed = protocol(["none", "pikv_h2o", "pikv_quest", "pikv_h2o_offload_routed"])
+    assert mixed["query_aware"] == "mixed"
+    assert mixed["query_aware_presses"] == ["pikv_quest", "pikv_h2o_offload_routed"]
+    assert mixed["protocol"].startswith("mixed. pikv_quest, pikv_h2o_offload_routed: query-aware")

@@ -796,18 +796,25 @@ def summarise(rows: list[dict]) -> dict:
 
 
 def _protocol(config: EvalConfig) -> dict:
-    """Whether the run's KV selection saw the question, in words, for ``metrics.json``."""
-    if config.cache == "pikv" and any(p in PIKV_MODES for p in config.presses):
+    """Whether each point's KV selection saw the question, in words, for ``metrics.json``: ``query_aware`` is True,
+    False or ``"mixed"`` (then ``query_aware_presses`` names the query-aware ones)."""
+    aware = [p for p in config.presses if config.cache == "pikv" and (p in PIKV_MODES or p.endswith(ROUTED_SUFFIX))]
+    agnostic = [p for p in config.presses if p != "none" and p not in aware]
+    reads = (
+        "query-aware sparse reads: the uncompressed context is kept (resident or offloaded); every decode step of the "
+        "answer reads only the KV its own query selects (routed shards or Quest pages, plus sinks and recent window), "
+        "per layer and KV head"
+    )
+    compressed = "query-agnostic: the context is prefilled (and compressed) before the question is seen"
+    if aware and agnostic:
         return {
-            "query_aware": True,
-            "protocol": "query-aware sparse reads: the uncompressed context cache is kept; every decode step of the "
-            "answer reads only the KV pages its own query selects (routed shards or Quest pages, plus sinks and "
-            "recent window), per layer and KV head",
+            "query_aware": "mixed",
+            "query_aware_presses": aware,
+            "protocol": f"mixed. {', '.join(aware)}: {reads}. The others: {compressed}",
         }
-    return {
-        "query_aware": False,
-        "protocol": "query-agnostic: the context is prefilled (and compressed) before the question is seen",
-    }
+    if aware:
+        return {"query_aware": True, "query_aware_presses": aware, "protocol": reads}
+    return {"query_aware": False, "query_aware_presses": [], "protocol": compressed}
 
 
 def _aggregate(rows: list[dict]) -> dict:
