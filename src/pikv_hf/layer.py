@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from pikv_hf.attention import Partial, TorchBackend, allowed_mask, merge_partials, sink_partial
+from pikv_hf.checks import calling_press
 from pikv_hf.codecs import Codec
 from pikv_hf.config import ReadConfig
 from pikv_hf.constants import ATTN_IMPLEMENTATION
@@ -512,8 +513,6 @@ class PiKVLayer(CacheLayerMixin):
             raise ValueError(f"layer {self.layer_idx}: cannot assign {kind} to an empty PiKVCache layer (use update)")
         if new is None:
             raise ValueError(f"layer {self.layer_idx}: {kind} cannot be set to None; use reset() to empty the layer")
-        from pikv_hf.kvpress_compat import calling_press
-
         v = self._snapshot()  # the view the partner assignment (if pending) refers to
         given = v.keys if kind == "keys" else v.values
         other = "values" if kind == "keys" else "keys"
@@ -556,8 +555,6 @@ class PiKVLayer(CacheLayerMixin):
             self.crop(action[1])
         elif action[0] == "keep":
             if self.tiers:
-                from pikv_hf.kvpress_compat import calling_press
-
                 raise ValueError(
                     f"{calling_press()}: layer {self.layer_idx} holds tokens in tiers ({', '.join(self.tiers)}); a "
                     "selection of its view can only crop positions there: run eviction presses before compression"
