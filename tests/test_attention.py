@@ -119,6 +119,23 @@ def test_merge_of_split_key_sets_is_the_full_softmax():
     assert torch.equal(empty[0], torch.zeros_like(empty[0])) and torch.isinf(empty[1]).all()
 
 
+def test_a_store_with_no_selected_slot_is_an_empty_partial():
+    # a routed read that chooses no page of one tier gives that tier zero slots: it adds nothing to the merge
+    gen = torch.Generator().manual_seed(6)
+    query = torch.randn(2, 4, 1, 8, generator=gen)
+    keys, values = torch.randn(2, 2, 9, 8, generator=gen), torch.randn(2, 2, 9, 8, generator=gen)
+    pos = torch.arange(9).expand(2, 2, 9)
+    ok = torch.ones(2, 2, 9, dtype=torch.bool)
+    qpos = torch.tensor([9])
+    none = reference.masked_attention(query, keys[:, :, :0], values[:, :, :0], ok[..., :0], pos[..., :0], qpos, 0.3)
+    assert torch.equal(none[0], torch.zeros(2, 4, 1, 8)) and torch.isinf(none[1]).all() and (none[1] < 0).all()
+    whole = reference.masked_attention(query, keys, values, ok, pos, qpos, 0.3)
+    o, lse = merge_partials([whole[:2], none[:2]])
+    logits = (query.view(2, 2, 2, 8) @ keys.transpose(-1, -2)) * 0.3
+    assert (o.view(2, 2, 2, 8) - logits.softmax(-1) @ values).abs().max() < 1e-6
+    assert (lse.view(2, 2, 2) - logits.logsumexp(-1)).abs().max() < 1e-6
+
+
 def test_query_chunking_does_not_change_results(monkeypatch):
     gen = torch.Generator().manual_seed(5)
     query = torch.randn(1, 4, 33, 8, generator=gen)

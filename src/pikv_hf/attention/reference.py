@@ -38,8 +38,11 @@ def partial_attention(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch
     Returns
     -------
     (torch.Tensor, torch.Tensor)
-        ``o [B, H, R, Dv]`` float32 (zeros for rows with no key) and ``lse [B, H, R]`` (``-inf`` there).
+        ``o [B, H, R, Dv]`` float32 (zeros for rows with no key, also when ``C`` is 0: a read plan that selects no
+        page of a store) and ``lse [B, H, R]`` (``-inf`` there).
     """
+    if logits.shape[-1] == 0:
+        return logits.new_zeros(*logits.shape[:-1], values.shape[-1]), logits.new_full(logits.shape[:-1], -torch.inf)
     m = logits.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(logits - m)
