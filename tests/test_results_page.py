@@ -162,14 +162,32 @@ def write_eval_run(root: Path, run: str) -> None:
     write(root, f"{rp.EVAL}/{run}/metrics.json", metrics | {"budget_note": "b", "versions": {}, "command": "c"})
 
 
+def write_compression_run(root: Path, run: str) -> None:
+    """``metrics.json`` keys as ``pikv-hf eval`` writes them for compression presses (the fields the page reads)."""
+    scores = {"none": 100.0, "quant@bits=4": 100.0, "quant@bits=2": 50.0, "svd@rank=32": 0.0}
+    per_length = [{"press": p, "ratio": 0.0, "length": 2048, "n": 2, "score": s} for p, s in scores.items()]
+    compression = [q | {"kv_bytes": rp.MIB, "reconstruction_error": {"keys": 0.1, "values": 0.2}} for q in per_length]
+    perplexity = [{"press": p, "ratio": 0.0, "perplexity": 40.0 + i} for i, p in enumerate(scores)]
+    args = {"presses": list(scores), "lengths": [2048], "samples": 1, "perplexity_context": 2048}
+    metrics = {"arguments": args | {"perplexity_tokens": 256}, "per_length": per_length, "perplexity": perplexity}
+    metrics |= {"compression": compression[1:], "complete": False, "n_rows": 7, "tasks": ["t"], "query_aware": False}
+    metrics |= {"model_info": {"name": "m"}, "protocol": "p", "versions": {"platform": "x"}}
+    metrics |= {"git": {"commit": "abcdef0123", "dirty": False}, "command": f"pikv-hf eval --out {rp.EVAL}/{run}"}
+    write(root, f"{rp.EVAL}/{run}/metrics.json", metrics)
+
+
 def test_sections_still_to_come_render_from_their_writers_keys(tmp_path):
     write_store_ragged(tmp_path)
     write_decode_budget(tmp_path)
     write_eval_run(tmp_path, "scheduling_x")
+    write_compression_run(tmp_path, "compression_smollm2_pikv_2048")
     out = rp.build(tmp_path)
-    assert [s.title for s in out.sections] == ["Scheduling quality", "Decode budget", "Page store ragged budgets"]
+    titles = ["Scheduling quality", "Compression quality", "Decode budget", "Page store ragged budgets"]
+    assert [s.title for s in out.sections] == titles
     check_figures(tmp_path, out.figures, out.page)
     assert "| h2o |  | 0.0 |" in out.page and "within the bound at every logged step: met" in out.page
+    assert "`quant@bits=4` 100% (>= 99%): met; `quant@bits=2` 50% (>= 95%): **not met**" in out.page
+    assert "| `none` | 100.0 | 2 | 100% | - | - | 40.00 |" in out.page and "run **incomplete**" in out.page
 
 
 def test_readme_table_goes_between_the_markers_only():
