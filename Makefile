@@ -126,21 +126,25 @@ eval-routing: $(STAMP)
 		--ratio 0.8125 --length 2048 --out $(EVAL_RESULTS)/routing_quality_smollm2_quest316_2k
 
 # Scheduling presses (issue 16): every pikv_hf scheduler and kvpress's SnapKV / ExpectedAttention / StreamingLLM /
-# Knorm at 0.5 and 0.75 inside one PiKVCache per sample (one prefill, presses replayed on forks), RULER needles at
-# 2k, 42 samples per point, query-agnostic (the context is compressed before the question); then every press at 0.5
-# at 4k; then H2O at 0.5 with the rest offloaded to CPU and routed reads over both tiers (the routing quality
-# setting) at 2k and 4k. About 5 h on 2 cores.
+# Knorm inside one PiKVCache per sample (one prefill, presses replayed on forks), RULER needles at 2k,
+# query-agnostic (the context is compressed before the question): 0.5 and 0.75 with 42 samples per point, 0.25 with
+# 21; then H2O at 0.5 with the rest offloaded to CPU and routed reads over both tiers (the routing quality setting)
+# at 2k and 4k. About 4 h on 2 cores. eval-scheduling-4k (every press at 0.5 at 4k, about 5 h more) is not run yet.
 SCHED_PRESSES := none pikv_h2o pikv_streaming_llm pikv_lru pikv_lru_plus pikv_flexgen pikv_adakv pikv_duo_attention \
 	pikv_quest snapkv expected_attention streaming_llm knorm
 SCHED_ARGS := --suite ruler --model smollm2 --cache pikv --tasks needle --samples 14 --press $(SCHED_PRESSES) --no-progress
+.PHONY: eval-scheduling-4k
 eval-scheduling: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --length 2048 --ratio 0.5 0.75 \
 		--out $(EVAL_RESULTS)/scheduling_smollm2
-	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --length 4096 --ratio 0.5 \
-		--out $(EVAL_RESULTS)/scheduling_smollm2_4k
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --samples 7 --length 2048 --ratio 0.25 \
+		--out $(EVAL_RESULTS)/scheduling_smollm2_r025
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_PAGE1_ARGS) --tasks needle \
 		--length 2048 4096 --press none pikv_h2o_offload_routed --ratio 0.5 --no-progress \
 		--out $(EVAL_RESULTS)/scheduling_offload_routed_smollm2
+eval-scheduling-4k: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --length 4096 --ratio 0.5 \
+		--out $(EVAL_RESULTS)/scheduling_smollm2_4k
 
 # Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 eval-assets: $(STAMP)
@@ -159,8 +163,8 @@ test-eval-slow: $(STAMP)
 # >>> compression targets (issue 17)
 # Fitted SVD / LoRA / LoRA++ / distilled projections of SmolLM2 (ranks 16, 32) under $$PIKV_HF_CACHE/projections (~5 min).
 # Quality: every compressor at two settings next to transformers' QuantizedCache (quanto), PiKVCache storing them
-# compressed, needles at 2k (14 samples x 3 tasks = 42 per point) and held-out perplexity; the quantisation points
-# also at 4k. Resumable; about 1.5 h on 2 busy cores.
+# compressed, the quantisation points at 4k (14 samples x 3 tasks = 42 per point), every point at 2k (7 x 3 = 21)
+# and held-out perplexity. Resumable; about 2.5 h on 2 busy cores.
 COMPRESSION_HEADLINE := none quant@bits=4 quant@bits=2 quant@bits=2,group_size=32,n_sink=4 quantized_cache@nbits=4 \
 	quantized_cache@nbits=2
 COMPRESSION_POINTS := $(COMPRESSION_HEADLINE) svd@rank=32 svd@rank=16 lora@rank=32 lora@rank=16 \
@@ -182,7 +186,7 @@ bench-compression: $(STAMP)
 eval-compression: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(COMPRESSION_ARGS) --length 4096 \
 		--press $(COMPRESSION_HEADLINE) --perplexity-context 4096 --out $(EVAL_RESULTS)/compression_smollm2_pikv_4096
-	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(COMPRESSION_ARGS) --length 2048 \
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(COMPRESSION_ARGS) --samples 7 --length 2048 \
 		--press $(COMPRESSION_POINTS) --perplexity-context 2048 --out $(EVAL_RESULTS)/compression_smollm2_pikv_2048
 # <<< compression targets
 

@@ -143,7 +143,7 @@ def write_decode_budget(root: Path) -> None:
     log = [{"step": s, "kv_bytes": rp.MIB, "bound_bytes": 2 * rp.MIB, "max_tokens_per_head": 1024} for s in (1, 2)]
     log = [r | {"median_step_ms_last": 20.0 + i} for i, r in enumerate(log)]
     config = {"model": "m", "prompt_tokens": 256, "press": "P", "cache": "C"}
-    budget = {"command": "python benchmarks/decode_budget.py", **META, "config": config, "log": log}
+    budget = {"command": "python benchmarks/decode_budget.py --budget 1024", **META, "config": config, "log": log}
     write(root, rp.DECODE_BUDGET, budget | {"all_within_bound": True, "step_ms_last_over_first": 1.05})
 
 
