@@ -21,6 +21,7 @@ from pikv_hf.presses import (
     ChunkPCAPress,
     DistillPress,
     FastVCropPress,
+    H2OPress,
     LoRAPlusPress,
     LoRAPress,
     PyramidPress,
@@ -318,6 +319,16 @@ def test_streaming_llm_then_quantisation_composes_on_both_caches(model):
             assert int(both.layers[0].tiers[TIER].tokens_per_shard().sum()) == 2 * 96
             assert both.kv_nbytes() < evicted.kv_nbytes() / 2
             both.detach()
+
+
+def test_eviction_after_compression_in_one_prefill_is_refused_clearly(model):
+    # the press ranks the whole uncompressed context; after compression it would see the hot window only
+    for evict in (H2OPress(0.5), StreamingLLMPress(compression_ratio=0.5)):  # ComposedPress refuses AdaKV
+        cache = PiKVCache(model, num_shards=1, page_size=4)
+        presses = [QuantPress(bits=4, group_size=8, window=32), evict]
+        with torch.no_grad(), ComposedPress(presses)(model), pytest.raises(ValueError, match="before compression"):
+            model.model(_ids(256), past_key_values=cache)
+        cache.detach()
 
 
 def test_bad_input_raises_clear_errors_and_leaves_the_cache_unchanged(model, fitted, tmp_path):

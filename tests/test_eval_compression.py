@@ -72,6 +72,13 @@ def test_compression_points_on_both_caches_record_bytes_errors_and_perplexity(mo
     assert pyramid[0] > pyramid[-1]  # the pyramid: more tokens kept in the first layer
 
 
+def test_perplexity_points_of_duo_attention_use_the_runs_heads(model_dir, tmp_path):
+    metrics = run_eval(_config(model_dir, tmp_path, "pikv", ["none", "pikv_duo_attention"]), progress=False)
+    ppl = {p["press"]: p for p in metrics["perplexity"]}
+    assert set(ppl) == {"none", "pikv_duo_attention"} and ppl["pikv_duo_attention"]["ratio"] == 0.5
+    assert ppl["pikv_duo_attention"]["nll"] != ppl["none"]["nll"]  # half of the context evicted before the text
+
+
 def test_quantized_cache_bytes_are_its_packed_tensors(model_dir):
     model, _, _ = load_model(_config(model_dir, Path("unused"), "dynamic", ["none"]))
     gen = torch.Generator().manual_seed(0)

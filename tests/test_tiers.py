@@ -63,3 +63,14 @@ def test_tier_bytes_crop_and_batch_ops_follow_the_tokens():
     with pytest.raises(ValueError, match="holds tokens in tiers"):  # a selection of a view that spans tiers
         layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
         layer.keys  # noqa: B018 (the assignment is applied at the next access)
+
+
+def test_offload_checks_its_arguments_before_creating_the_tier():
+    cache, layer, _, _ = _layer(False)
+    st = layer.store
+    good = torch.ones(B, H, st.table.width() * st.page_size, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"keep must be a bool tensor of shape \(2, 2, "):
+        layer.offload_tokens(good[..., :-1], "disk")
+    with pytest.raises(ValueError, match="target must be one of cpu, disk, got 'gpu'"):
+        layer.offload_tokens(good, "gpu")
+    assert not layer.tiers and int(st.tokens_per_shard().sum()) == B * H * (T + 1)

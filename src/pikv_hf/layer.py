@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 
 OFFLOAD = "offload"  # the tier evicted tokens move to instead of being dropped (not resident)
+OFFLOAD_TARGETS = ("cpu", "disk")  # where the offload tier keeps its pages: CPU memory or memory-mapped files
 
 
 @dataclass(frozen=True)
@@ -624,9 +625,7 @@ class PiKVLayer(CacheLayerMixin):
             raise RuntimeError(f"layer {self.layer_idx}: evict() before any token was stored")
         if self.partition is not None:
             raise RuntimeError(f"layer {self.layer_idx}: evict() is not supported on a partitioned cache")
-        frame = (st.batch, st.heads, st.table.width() * st.page_size)
-        if tuple(keep.shape) != frame or keep.dtype != torch.bool:
-            raise ValueError(f"keep must be a bool tensor of shape {frame}, got {keep.dtype} {tuple(keep.shape)}")
+        self._check_keep(keep)
         dropped = st.frame("valid") & ~keep.to(st.device)
         shard = st.frame("shard").long().clamp(min=0).repeat_interleave(st.page_size, dim=-1)
         per_shard = torch.zeros(st.batch, st.heads, st.num_shards, dtype=torch.int64, device=st.device)
@@ -662,9 +661,7 @@ class PiKVLayer(CacheLayerMixin):
         ``name`` (see :meth:`tier`), with their shard and position; returns ``[B, H]`` tokens moved. Nothing is
         evicted: attention still reads them, from the tier. Their per-slot statistics start over there."""
         st = self.store
-        frame = (st.batch, st.heads, st.table.width() * st.page_size)
-        if tuple(keep.shape) != frame or keep.dtype != torch.bool:
-            raise ValueError(f"keep must be a bool tensor of shape {frame}, got {keep.dtype} {tuple(keep.shape)}")
+        self._check_keep(keep)
         tier = self.tier(name)
         move = st.frame("valid") & ~keep.to(st.device)
         n = move.sum(-1)
@@ -682,9 +679,19 @@ class PiKVLayer(CacheLayerMixin):
         st.retain(keep.to(st.device) | ~st.frame("valid"))
         return n
 
+    def _check_keep(self, keep: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``keep`` is a bool mask over the hot store's frame."""
+        st = self.store
+        frame = (st.batch, st.heads, st.table.width() * st.page_size)
+        if tuple(keep.shape) != frame or keep.dtype != torch.bool:
+            raise ValueError(f"keep must be a bool tensor of shape {frame}, got {keep.dtype} {tuple(keep.shape)}")
+
     def offload_tokens(self, keep: torch.Tensor, target: str = "cpu") -> torch.Tensor:
         """Move the hot store's tokens outside ``keep`` to the offload tier: CPU memory (``"cpu"``, pinned when the
         layer is on a GPU) or memory-mapped files in a temporary directory (``"disk"``). Returns ``[B, H]`` moved."""
+        if target not in OFFLOAD_TARGETS:
+            raise ValueError(f"target must be one of {', '.join(OFFLOAD_TARGETS)}, got {target!r}")
+        self._check_keep(keep)
         if OFFLOAD not in self.tiers:
             if target == "disk":
                 storage = tempfile.mkdtemp(prefix="pikv-offload-")

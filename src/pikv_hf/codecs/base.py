@@ -86,13 +86,10 @@ class Codec:
         ``[..., n, Dv]`` in the model dtype."""
         raise NotImplementedError
 
-    def slot_keys(self, pool: PagePool, slots: torch.Tensor) -> torch.Tensor:
-        """``[M, Dk]`` keys stored at flat slot ids ``slots`` (``[M]``): decodes the pages holding them."""
+    def slot_keys(self, pool: PagePool, slots: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+        """``[M, Dk]`` keys stored at flat slot ids ``slots`` (``[M]``) of ``pool``, whose fields ``names`` this codec
+        declared: decodes the pages holding them."""
         p = pool.page_size
         pages = slots.div(p, rounding_mode="floor")
-        keys, _ = self.decode({name: pool.gather(name, pages) for name in self.fields_of(pool)})
+        keys, _ = self.decode({name: pool.gather(name, pages) for name in names})
         return keys[torch.arange(slots.numel(), device=slots.device), slots % p]
-
-    def fields_of(self, pool: PagePool) -> tuple[str, ...]:
-        """Names of this codec's fields in ``pool``."""
-        raise NotImplementedError

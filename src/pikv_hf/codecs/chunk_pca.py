@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.codecs.base import Codec, PageBatch, as_pages
-from pikv_hf.store.pool import FieldSpec, PagePool
+from pikv_hf.store.pool import FieldSpec
 
 SIDES = ("k", "v")
 
@@ -73,6 +73,3 @@ class ChunkPCACodec(Codec):
             x = torch.baddbmm(mean.unsqueeze(1).float(), pages.float(), basis.float())
             out.append(x.to(self.dtype).reshape(*coef.shape[:-1], mean.shape[-1]))
         return out[0], out[1]
-
-    def fields_of(self, pool: PagePool) -> tuple[str, ...]:
-        return tuple(f"{side}_{part}" for side in SIDES for part in ("coef", "mean", "basis"))

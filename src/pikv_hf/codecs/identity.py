@@ -12,7 +12,6 @@ class IdentityCodec(Codec):
     """Keys ``[P, Dk]`` and values ``[P, Dv]`` per page in the model dtype; decoding returns them unchanged."""
 
     name = "identity"
-    kv_fields = ("keys", "values")
 
     def fields(self, k_dim: int, v_dim: int, dtype: torch.dtype) -> dict[str, FieldSpec]:
         return {"keys": FieldSpec((k_dim,), dtype), "values": FieldSpec((v_dim,), dtype)}
@@ -23,8 +22,5 @@ class IdentityCodec(Codec):
     def decode(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return fields["keys"], fields["values"]
 
-    def fields_of(self, pool: PagePool) -> tuple[str, ...]:
-        return self.kv_fields
-
-    def slot_keys(self, pool: PagePool, slots: torch.Tensor) -> torch.Tensor:
+    def slot_keys(self, pool: PagePool, slots: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
         return pool.flat("keys").index_select(0, slots)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pikv_hf.codecs.base import Codec, PageBatch, as_pages
-from pikv_hf.store.pool import FieldSpec, PagePool
+from pikv_hf.store.pool import FieldSpec
 
 
 @dataclass
@@ -127,6 +127,3 @@ class ProjectionCodec(Codec):
             x = m.to(c.device).decode(pages, heads.long())
             out.append(x.to(self.dtype).reshape(*c.shape[:-1], m.dim))
         return out[0], out[1]
-
-    def fields_of(self, pool: PagePool) -> tuple[str, ...]:
-        return ("keys", "values", "head")

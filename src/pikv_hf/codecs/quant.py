@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.codecs.base import Codec, PageBatch, as_pages
-from pikv_hf.kernels.decode_quant import BITS, QUANT_FIELDS, SCALE_DTYPES, QuantPages, dequantize_pages, quantize_pages
-from pikv_hf.store.pool import FieldSpec, PagePool
+from pikv_hf.kernels.decode_quant import BITS, SCALE_DTYPES, QuantPages, dequantize_pages, quantize_pages
+from pikv_hf.store.pool import FieldSpec
 
 
 def check_quant_args(bits: int, group_size: int, head_dim: int | None = None) -> None:
@@ -90,6 +90,3 @@ class QuantCodec(Codec):
         )
         keys, values = dequantize_pages(quant)
         return keys.to(self.dtype).reshape(*lead, -1), values.to(self.dtype).reshape(*lead, -1)
-
-    def fields_of(self, pool: PagePool) -> tuple[str, ...]:
-        return QUANT_FIELDS

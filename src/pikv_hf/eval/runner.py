@@ -584,7 +584,8 @@ def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer
         model, tokenizer, _ = model_and_tokenizer()
         context = config.perplexity_context
         ids = compression.held_out_ids(tokenizer, context + config.perplexity_tokens)
-        caches = PointCaches(model, config, ids[:, :context], errors=False)
+        heads = duo_heads(model, tokenizer, path.parent) if "pikv_duo_attention" in config.presses else None
+        caches = PointCaches(model, config, ids[:, :context], heads=heads, errors=False)
         with path.open("a", encoding="utf-8") as handle:
             for press_name, ratio in pending:
                 kv, press, info = caches.make(press_name, ratio)

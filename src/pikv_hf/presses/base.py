@@ -28,8 +28,9 @@ from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_ratio
-from pikv_hf.layer import PiKVLayer
+from pikv_hf.checks import calling_press, check_ratio
+from pikv_hf.layer import OFFLOAD_TARGETS, PiKVLayer
+from pikv_hf.routing.scores import descending_rank
 
 SHARD_BUDGETS = ("global", "proportional")
 
@@ -91,12 +92,7 @@ def keep_mask(
     ranked = ranked.scatter(2, newest, float("inf"))  # the token being decoded is never evicted
     budget = torch.as_tensor(n_kept, device=ranked.device).expand(ranked.shape[:2]).unsqueeze(-1)
     if shard_budget == "global":
-        rank = torch.empty_like(view.pos).scatter_(
-            2,
-            ranked.argsort(dim=-1, descending=True, stable=True),
-            torch.arange(ranked.shape[-1], device=ranked.device).expand_as(view.pos),
-        )
-        keep_view = (rank < budget) & present
+        keep_view = (descending_rank(ranked) < budget) & present
     else:
         if isinstance(n_kept, torch.Tensor):
             raise ValueError("shard_budget='proportional' takes one budget for every (row, head)")
@@ -134,9 +130,6 @@ def evict_lowest(
     if t == 0 or compression_ratio == 0:
         return
     drop_or_offload(layer, keep_mask(layer, scores, compute_n_kept(t, compression_ratio), shard_budget), offload)
-
-
-OFFLOAD_TARGETS = ("cpu", "disk")
 
 
 @dataclass
@@ -215,7 +208,14 @@ def prefill_layer(module: nn.Module, kwargs: dict, compression_ratio: float) -> 
     hidden_states = kwargs["hidden_states"]
     if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]) or compression_ratio == 0:
         return None
-    return kwargs["past_key_values"].layers[module.layer_idx]
+    layer = kwargs["past_key_values"].layers[module.layer_idx]
+    if layer.tiers:
+        raise ValueError(
+            f"{calling_press()}: layer {layer.layer_idx} already holds tokens in tiers ({', '.join(layer.tiers)}) "
+            "from an earlier press of this prefill; eviction ranks the uncompressed context: run eviction presses "
+            "before compression (ComposedPress([eviction, compression]))"
+        )
+    return layer
 
 
 def check_offload(value: str | None) -> None:

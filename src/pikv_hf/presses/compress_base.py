@@ -60,7 +60,9 @@ def roundtrip(codec: Codec, keys: torch.Tensor, values: torch.Tensor, page_size:
     heads = torch.arange(h, device=keys.device).repeat_interleave(w).repeat(b)
     specs = codec.fields(dk, dv, keys.dtype)
     old = {
-        name: torch.full((pages, *s.shape) if s.per_page else (pages, page_size, *s.shape), s.fill, dtype=s.dtype)
+        name: torch.full(
+            (pages, *s.shape) if s.per_page else (pages, page_size, *s.shape), s.fill, dtype=s.dtype, device=keys.device
+        )
         for name, s in specs.items()
     }
     if codec.page_level:

@@ -16,6 +16,7 @@ from pikv_hf.cache import PiKVCache
 from pikv_hf.checks import check_int_at_least, check_ratio
 from pikv_hf.presses.queries import model_queries
 from pikv_hf.routing.expert import decoder_layers
+from pikv_hf.routing.scores import descending_rank, upper_bounds
 
 
 def quest_pages(
@@ -36,14 +37,11 @@ def quest_pages(
     filled = (torch.arange(n_pages * page_size, device=keys.device) < t).view(1, 1, n_pages, page_size, 1)
     lo = pages.masked_fill(~filled, float("inf")).amin(3)
     hi = pages.masked_fill(~filled, float("-inf")).amax(3)
-    q = queries.float().unsqueeze(3)  # [B, H, G, 1, D]
-    bound = torch.maximum(q * lo.unsqueeze(2), q * hi.unsqueeze(2)).sum(-1).amax(2)  # [B, H, NP]
+    bound = upper_bounds(queries, lo, hi, filled.view(1, 1, n_pages, page_size).sum(-1).expand(b, h, -1))
     first = torch.arange(n_pages, device=keys.device) * page_size
     special = (first < n_sink) | (first + page_size - 1 > t - window)  # a sink, or a position within the window
     bound = bound.masked_fill(special.view(1, 1, -1), float("inf"))
-    order = bound.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(2, order, torch.arange(n_pages, device=keys.device).expand_as(order))
-    read = rank < math.ceil(read_fraction * n_pages)
+    read = descending_rank(bound) < math.ceil(read_fraction * n_pages)
     return read.repeat_interleave(page_size, dim=-1)[..., :t]
 
 

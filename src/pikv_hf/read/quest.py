@@ -8,7 +8,7 @@ import torch
 
 from pikv_hf.read.plan import ReadPlan
 from pikv_hf.read.policy import ExactRead, pages_from_mask, special_pages
-from pikv_hf.routing.scores import upper_bounds
+from pikv_hf.routing.scores import descending_rank, upper_bounds
 from pikv_hf.store import PagedStore
 
 
@@ -24,8 +24,4 @@ class QuestRead(ExactRead):
         special = special_pages(store, qpos_last, cfg.n_sink, cfg.window, row_start)
         score = upper_bounds(qg, key_min, key_max, count).masked_fill(special, float("inf"))
         budget = torch.ceil(store.table.n_pages * cfg.read_fraction).long()  # [B, H]
-        order = score.argsort(dim=-1, descending=True, stable=True)
-        rank = torch.empty_like(order).scatter_(
-            2, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-        )
-        return ReadPlan(pages_from_mask((rank < budget.unsqueeze(-1)) & (count > 0)))
+        return ReadPlan(pages_from_mask((descending_rank(score) < budget.unsqueeze(-1)) & (count > 0)))

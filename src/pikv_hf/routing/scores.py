@@ -85,6 +85,14 @@ def bound_scores(query: torch.Tensor, summary: ShardSummary) -> torch.Tensor:
     return upper_bounds(query, summary.key_min, summary.key_max, summary.counts)
 
 
+def descending_rank(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of every entry of ``scores`` along the last dim under a stable descending sort (0: the largest; ties to
+    the earlier entry), as int64 of the same shape: ``rank < n`` keeps the ``n`` best of each row."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    steps = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, steps)
+
+
 def upper_bounds(
     query: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, counts: torch.Tensor
 ) -> torch.Tensor:

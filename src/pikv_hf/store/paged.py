@@ -81,8 +81,9 @@ class PagedStore:
         self.k_dim, self.v_dim, self.dtype, self.device = int(k_dim), int(v_dim), dtype, device
         self.num_shards, self.page_size = int(num_shards), int(page_size)
         self.codec = codec or IdentityCodec()
-        self.kv_fields = tuple(self.codec.fields(self.k_dim, self.v_dim, dtype))
-        specs = {**self.codec.fields(self.k_dim, self.v_dim, dtype), **_META_FIELDS}
+        codec_fields = self.codec.fields(self.k_dim, self.v_dim, dtype)
+        self.kv_fields = tuple(codec_fields)
+        specs = {**codec_fields, **_META_FIELDS}
         self.pool = PagePool({**specs, **(_STAT_SPECS if track_stats else {})}, page_size, device, storage)
         self.table = PageTable(batch, heads, num_shards, page_size, device)
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
@@ -247,7 +248,7 @@ class PagedStore:
             return
         gone = self.frame_slots()[drop]
         shard = self.frame("shard").long().repeat_interleave(self.page_size, dim=-1)
-        self.stats.add(self._bhs(shard)[drop], self.codec.slot_keys(self.pool, gone), sign=-1)
+        self.stats.add(self._bhs(shard)[drop], self.codec.slot_keys(self.pool, gone, self.kv_fields), sign=-1)
         self.pool.flat("valid")[gone] = False
 
     def retain(self, keep: torch.Tensor) -> torch.Tensor:
