@@ -13,9 +13,10 @@ import pytest
 import torch
 from fixtures.tiny_assets import save_tiny_model_dir, tiny_llama
 
+from pikv_hf import PiKVCache
 from pikv_hf.cli import main as cli_main
 from pikv_hf.eval import runner
-from pikv_hf.eval.runner import EvalConfig, PrefillRecord, build_press, prefill, run_eval
+from pikv_hf.eval.runner import EvalConfig, PrefillRecord, build_press, prefill, press_names, run_eval
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -96,6 +97,13 @@ def test_interrupted_run_resumes_without_redoing_finished_samples(model_dir, tmp
     metrics = run_eval(config, progress=False)
     assert len(calls) == 2  # nothing left to do
     assert metrics["complete"] and metrics["model_info"]["model_type"] == "llama"  # kept from the earlier run
+
+
+def test_every_listed_kvpress_press_builds_with_the_ratio():
+    names = press_names()
+    assert "CriticalKVPress" not in names.values() and names["snapkv"] == "SnapKVPress"
+    for name in set(names.values()):
+        assert build_press(name, 0.25).compression_ratio == 0.25
 
 
 @pytest.mark.parametrize("name", ["snapkv", "knorm", "streaming_llm", "expected_attention", "tova"])
@@ -254,6 +262,23 @@ def test_presses_inside_pikv_cache_answer_as_on_dynamic_cache(model_dir, tmp_pat
         assert twin["prediction"] == row["prediction"]
         assert twin["kept_context_tokens"] == row["kept_context_tokens"]  # resident tokens per layer and KV head
     assert dyn["complete"] and pikv["complete"]
+
+
+def test_a_press_with_passes_of_its_own_prefills_a_pikv_cache_of_its_own(tmp_path, monkeypatch):
+    # KVzip reconstructs the context in extra forward passes after the prefill: replaying one recorded prefill's
+    # hooks cannot run it, so the harness runs kvpress's prefill with the press into a fresh PiKVCache
+    model = tiny_llama(vocab_size=300, seed=3)
+    ids = torch.randint(0, 300, (1, 150), generator=torch.Generator().manual_seed(1))
+    config = _ruler_config("unused", tmp_path, cache="pikv", presses=["kvzip", "snapkv"], ratios=[0.5])
+    calls = []
+    monkeypatch.setattr(runner, "prefill", lambda m, c, press, cache: calls.append((press, cache)) or cache)
+    make = runner.pikv_decoders(model, config, ids)
+    cache, _, _ = make("kvzip", 0.5)
+    ((press, into),) = calls
+    assert type(press).__name__ == "KVzipPress" and press.compression_ratio == 0.5 and into is cache
+    assert isinstance(cache, PiKVCache) and cache.get_seq_length() == 0  # not the recorded prefill's fork
+    replayed, _, _ = make("snapkv", 0.5)
+    assert len(calls) == 1 and replayed.layers[0].keys.shape[-2] == 75  # SnapKV replays the recorded hooks
 
 
 def test_longbench_end_to_end_through_the_command_line(model_dir, tmp_path, capsys):

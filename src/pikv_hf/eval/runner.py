@@ -248,8 +248,9 @@ class EvalConfig:
 def press_names() -> dict[str, str]:
     """kvpress presses usable with ``--press``: snake_case alias -> class name.
 
-    Only presses that are dataclasses with a ``compression_ratio`` field and whose other fields all have defaults
-    qualify (the harness sets the ratio; wrappers such as AdaKVPress that need an inner press do not).
+    Only dataclass presses whose constructor takes ``compression_ratio`` and has a default for every other argument
+    qualify (the harness sets the ratio; wrappers such as AdaKVPress or CriticalKVPress that need an inner press do
+    not).
 
     Returns
     -------
@@ -257,6 +258,7 @@ def press_names() -> dict[str, str]:
         Aliases -> class name: the lower-cased name without ``Press`` (``snapkv``, ``streamingllm``), its snake case
         (``snap_kv``, ``streaming_llm``, ``expected_attention``) and the class name itself.
     """
+    import inspect
     import re
 
     import kvpress
@@ -268,10 +270,8 @@ def press_names() -> dict[str, str]:
             isinstance(cls, type) and dataclasses.is_dataclass(cls) and name.endswith("Press")
         ):
             continue
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        if "compression_ratio" not in fields:
-            continue
-        if any(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING for f in fields.values()):
+        params = inspect.signature(cls).parameters  # the constructor's, which a press may write itself
+        if "compression_ratio" not in params or any(p.default is p.empty for p in params.values()):
             continue
         base = name[: -len("Press")]
         out[base.lower()] = name
@@ -655,8 +655,10 @@ def pikv_decoders(model, config: EvalConfig, context_ids, heads: str | None = No
     from pikv_hf.eval import compression
     from pikv_hf.eval.pikv_presses import routed_read
 
-    base = PiKVCache(model, router=config.router, num_shards=config.num_shards, page_size=config.page_size)
-    record = PrefillRecord(model, context_ids, base)
+    def fresh() -> PiKVCache:
+        return PiKVCache(model, router=config.router, num_shards=config.num_shards, page_size=config.page_size)
+
+    record = PrefillRecord(model, context_ids, fresh())
 
     def make(press_name: str, ratio: float):
         if compression.is_compression(press_name):
@@ -665,7 +667,10 @@ def pikv_decoders(model, config: EvalConfig, context_ids, heads: str | None = No
             cache = record.compressed_cache()
             cache.set_attention(config.point_read(press_name, ratio, cache.num_shards))
             return cache, None, {}
-        cache = record.compressed_cache(build_press(press_name, ratio, heads))
+        press = build_press(press_name, ratio, heads)
+        if not replayable(press):  # a press with its own prefill (several passes): run it on a cache of its own
+            return prefill(model, context_ids, press, fresh()), None, {}
+        cache = record.compressed_cache(press)
         if press_name.endswith(ROUTED_SUFFIX):
             cache.set_attention(routed_read(config.read, cache.num_shards))
         return cache, None, {}
