@@ -27,9 +27,10 @@ def adaptive_keep(scores: torch.Tensor, pos: torch.Tensor, n_kept: int, alpha: f
     if n_safe:
         top = ranked.topk(min(n_safe, t), dim=-1).indices
         ranked = ranked.scatter(2, top, float("inf"))
-    total = min(h * n_kept, int(present.sum(dim=(1, 2)).min()))
-    flat = ranked.reshape(b, h * t)
-    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(1, flat.topk(total, dim=-1).indices, True)
+    total = present.sum(dim=(1, 2)).clamp(max=h * n_kept)  # [B]: a row of fewer tokens (padding) keeps them all
+    best = ranked.reshape(b, h * t).topk(int(total.max()) if b else 0, dim=-1).indices
+    chosen = torch.arange(best.shape[-1], device=best.device) < total.unsqueeze(-1)
+    keep = torch.zeros(b, h * t, dtype=torch.bool, device=scores.device).scatter_(1, best, chosen)
     return keep.view(b, h, t) & present
 
 
