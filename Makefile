@@ -128,23 +128,21 @@ eval-routing: $(STAMP)
 # Scheduling presses (issue 16): every pikv_hf scheduler and kvpress's SnapKV / ExpectedAttention / StreamingLLM /
 # Knorm inside one PiKVCache per sample (one prefill, presses replayed on forks), RULER needles at 2k,
 # query-agnostic (the context is compressed before the question): 0.5 and 0.75 with 42 samples per point, 0.25 with
-# 21; then H2O at 0.5 with the rest offloaded to CPU and routed reads over both tiers (the routing quality setting)
-# at 2k and 4k. About 4 h on 2 cores. eval-scheduling-4k (every press at 0.5 at 4k, about 5 h more) is not run yet.
+# 21; every press at 0.5 at 4k with 21; then H2O at 0.5 with the rest offloaded to CPU and routed reads over both
+# tiers (the routing quality setting) at 2k and 4k, 42 per point. About 6 h on 2 cores.
 SCHED_PRESSES := none pikv_h2o pikv_streaming_llm pikv_lru pikv_lru_plus pikv_flexgen pikv_adakv pikv_duo_attention \
 	pikv_quest snapkv expected_attention streaming_llm knorm
 SCHED_ARGS := --suite ruler --model smollm2 --cache pikv --tasks needle --samples 14 --press $(SCHED_PRESSES) --no-progress
-.PHONY: eval-scheduling-4k
 eval-scheduling: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --length 2048 --ratio 0.5 0.75 \
 		--out $(EVAL_RESULTS)/scheduling_smollm2
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --samples 7 --length 2048 --ratio 0.25 \
 		--out $(EVAL_RESULTS)/scheduling_smollm2_r025
+	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --samples 7 --length 4096 --ratio 0.5 \
+		--out $(EVAL_RESULTS)/scheduling_smollm2_4k
 	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(ROUTING_ARGS) $(TOPP256_PAGE1_ARGS) --tasks needle \
 		--length 2048 4096 --press none pikv_h2o_offload_routed --ratio 0.5 --no-progress \
 		--out $(EVAL_RESULTS)/scheduling_offload_routed_smollm2
-eval-scheduling-4k: $(STAMP)
-	OMP_NUM_THREADS=1 nice -n 10 $(VENV)/bin/pikv-hf eval $(SCHED_ARGS) --length 4096 --ratio 0.5 \
-		--out $(EVAL_RESULTS)/scheduling_smollm2_4k
 
 # Offline model assets: build the local save_pretrained copy of SmolLM2 (under $$PIKV_HF_CACHE or ~/.cache/pikv_hf).
 eval-assets: $(STAMP)
