@@ -571,6 +571,11 @@ def _append_row(handle, row: dict) -> None:
     os.fsync(handle.fileno())
 
 
+def _duo_heads(config: EvalConfig, model, tokenizer, out: Path) -> str | None:
+    """The run's DuoAttention head scores (calibrated once, saved in ``out``) when it evaluates that press."""
+    return duo_heads(model, tokenizer, out) if "pikv_duo_attention" in config.presses else None
+
+
 def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer) -> list[dict]:
     """Perplexity of ``perplexity_tokens`` held-out essay tokens after a compressed held-out context of
     ``perplexity_context`` tokens, per point (resumable: one line per point in ``path``); [] when off."""
@@ -584,7 +589,7 @@ def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer
         model, tokenizer, _ = model_and_tokenizer()
         context = config.perplexity_context
         ids = compression.held_out_ids(tokenizer, context + config.perplexity_tokens)
-        heads = duo_heads(model, tokenizer, path.parent) if "pikv_duo_attention" in config.presses else None
+        heads = _duo_heads(config, model, tokenizer, path.parent)
         caches = PointCaches(model, config, ids[:, :context], heads=heads, errors=False)
         with path.open("a", encoding="utf-8") as handle:
             for press_name, ratio in pending:
@@ -981,7 +986,7 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
             from pikv_hf.eval.ruler import Haystack, generate_sample, score_sample
 
             haystack = Haystack(builder.count)
-        heads = duo_heads(model, tokenizer, out) if "pikv_duo_attention" in config.presses else None
+        heads = _duo_heads(config, model, tokenizer, out)
         bar = tqdm(total=n_pending, disable=not progress, desc=f"eval {config.suite} {config.model}", unit="answer")
         with pred_path.open("a", encoding="utf-8") as handle:
             for index, length, task in pending:

@@ -12,6 +12,7 @@ from torch import nn
 from pikv_hf.cache import PiKVCache
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVScorerPress, check_offload, drop_or_offload, prefill_layer, to_frame
+from pikv_hf.routing.scores import descending_rank
 
 
 def adaptive_keep(scores: torch.Tensor, pos: torch.Tensor, n_kept: int, alpha: float) -> torch.Tensor:
@@ -28,9 +29,7 @@ def adaptive_keep(scores: torch.Tensor, pos: torch.Tensor, n_kept: int, alpha: f
         top = ranked.topk(min(n_safe, t), dim=-1).indices
         ranked = ranked.scatter(2, top, float("inf"))
     total = present.sum(dim=(1, 2)).clamp(max=h * n_kept)  # [B]: a row of fewer tokens (padding) keeps them all
-    best = ranked.reshape(b, h * t).topk(int(total.max()) if b else 0, dim=-1).indices
-    chosen = torch.arange(best.shape[-1], device=best.device) < total.unsqueeze(-1)
-    keep = torch.zeros(b, h * t, dtype=torch.bool, device=scores.device).scatter_(1, best, chosen)
+    keep = descending_rank(ranked.reshape(b, h * t)) < total.unsqueeze(-1)
     return keep.view(b, h, t) & present
 
 
