@@ -1,0 +1,301 @@
+"""Decode speed: the exact cache against DynamicCache, routed decode at long context, the working tree against an
+earlier revision, and the decode attention kernels (with their README headline rows)."""
+
+from __future__ import annotations
+
+import re
+
+from .framework import BENCH, NA_READS, Body, Recorder, agg, at, machine_text, row, table, target_bound, verdict
+
+# ------------------------------------------------------------------------------------------------ exact vs Dynamic
+
+CACHE_EXACT = f"{BENCH}/cache_exact_cpu.json"
+
+
+def cache_exact(rec: Recorder) -> Body:
+    """Exact-mode PiKVCache against DynamicCache: decode time and KV bytes per context."""
+    p = CACHE_EXACT
+    d = rec.load(p)
+    c, t = d["config"], d["targets"]
+    rows = []
+    for i, res in enumerate(d["results"]):
+        r = f"results.{i}."
+        rows.append(
+            [
+                str(res["context"]),
+                rec.fig("ms", at(p, r + "dynamic.decode_ms_median")),
+                rec.fig("ms", at(p, r + "pikv.decode_ms_median")),
+                rec.fig("r2", at(p, r + "decode_ratio_pikv_over_dynamic")),
+                rec.fig("mib", at(p, r + "dynamic.kv_bytes")),
+                rec.fig("r3", at(p, r + "kv_bytes_ratio_pikv_over_dynamic")),
+                rec.fig("r3", at(p, r + "total_bytes_ratio_pikv_over_dynamic")),
+                rec.fig("x", at(p, r + "pikv_decode_over_bound")),
+                rec.fig("s", at(p, r + "dynamic.prefill_s")) + " / " + rec.fig("s", at(p, r + "pikv.prefill_s")),
+            ]
+        )
+    header = ["context", "decode ms/token Dynamic", "PiKV", "PiKV / Dynamic", "KV MiB Dynamic"]
+    header += ["KV bytes PiKV / Dynamic", "with metadata", "PiKV decode vs K/V read bound", "prefill s Dynamic / PiKV"]
+    time = agg("max", p, "results", "decode_ratio_pikv_over_dynamic")
+    size = agg("max", p, "results", "kv_bytes_ratio_pikv_over_dynamic")
+    goals = (
+        f"Targets recorded in the JSON: decode step <= {rec.fig('r2', at(p, 'targets.decode_ratio_max'))}x "
+        f"DynamicCache's (worst {rec.fig('r2', time)}): {verdict(rec.value(time) <= t['decode_ratio_max'])}; KV bytes "
+        f"<= {rec.fig('r2', at(p, 'targets.kv_bytes_ratio_max'))}x (worst {rec.fig('r3', size)}): "
+        f"{verdict(rec.value(size) <= t['kv_bytes_ratio_max'])}."
+    )
+    return Body(
+        measured=(
+            "prefill time, per-token decode time (median) and allocated KV bytes of PiKVCache in exact mode against "
+            f"DynamicCache + SDPA, side by side in one process; random weights, {c['num_hidden_layers']} layers, "
+            f"{c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads, head_dim {c['head_dim']}, "
+            f"{c['dtype']}, batch {c['batch']}, router {c['router']}, pages of {c['page_size']}"
+        ),
+        commands=[d["command"]],
+        machine=machine_text(rec, p),
+        reads=NA_READS,
+        budget="none (exact: every token stored and read)",
+        text=table(header, rows) + "\n\n" + goals,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- decode speed
+
+DECODE_SPEED = (f"{BENCH}/decode_speed_cpu.json", f"{BENCH}/decode_speed_page1_cpu.json")
+
+
+def decode_rows(rec: Recorder, p: str) -> list[list[str]]:
+    """One table row per context of a ``bench_decode`` JSON."""
+    rows = []
+    for i, res in enumerate(rec.load(p)["results"]):
+        r = f"results.{i}."
+        ms = [rec.fig("ms", at(p, r + f"{mode}.attn_ms")) for mode in ("dynamic", "exact", "routed")]
+        step = [rec.fig("ms", at(p, r + f"{mode}.step_ms")) for mode in ("dynamic", "exact", "routed")]
+        floor = [
+            f"{rec.fig('ms', at(p, r + f'routed.matmul_floor_{t}.ms'))} "
+            f"({rec.fig('x', at(p, r + f'routed.matmul_floor_{t}.over_bound'))})"
+            for t in ("fp32", "bf16")
+        ]
+        rows.append(
+            [
+                str(res["context"]),
+                " / ".join(ms),
+                rec.fig("x", at(p, r + "routed.attn_over_bound"))
+                + " / "
+                + rec.fig("x", at(p, r + "routed.attn_over_roofline")),
+                " / ".join(floor),
+                " / ".join(step),
+                rec.fig("r3", at(p, r + "routed.routing.kv_read_vs_dense")),
+                rec.fig("x", at(p, r + "ratios.attn_dynamic_over_routed"))
+                + " / "
+                + rec.fig("x", at(p, r + "ratios.step_dynamic_over_routed")),
+            ]
+        )
+    return rows
+
+
+def decode_goals(rec: Recorder, p: str) -> str:
+    """Each target the JSON records, with the measured value and met / not met."""
+    d = rec.load(p)
+    t = d["targets"]
+    out = []
+    for name, ratio_key in (("attn", "attn_dynamic_over_routed"), ("step", "step_dynamic_over_routed")):
+        key = next(k for k in t if k.startswith(f"{name}_dynamic_over_routed_min_at_"))
+        context = int(re.search(r"_at_(\d+)k$", key).group(1)) * 1024
+        if any(r["context"] == context for r in d["results"]):
+            src = row(p, "results", f"ratios.{ratio_key}", context=context)
+            ok = rec.value(src) >= t[key]
+            out.append(
+                f"{'attention' if name == 'attn' else 'decode step'} >= {rec.fig('x', at(p, f'targets.{key}'))} "
+                f"faster than Dynamic+SDPA at {context}: {rec.fig('x', src)}, {verdict(ok)}"
+            )
+    worst = agg("max", p, "results", "routed.attn_over_bound")
+    out.append(
+        f"routed attention within {rec.fig('x', at(p, 'targets.attn_routed_over_bound_max'))} of its bytes bound: "
+        f"worst {rec.fig('x', worst)}, {verdict(rec.value(worst) <= t['attn_routed_over_bound_max'])}"
+    )
+    slowest = agg("min", p, "results", "ratios.attn_dynamic_over_exact")
+    out.append(
+        f"exact attention no slower than Dynamic+SDPA: slowest Dynamic / exact {rec.fig('r2', slowest)}, "
+        f"{verdict(rec.value(slowest) >= 1)}"
+    )
+    return "Targets recorded in the JSON: " + "; ".join(out) + "."
+
+
+def page_size_comparison(rec: Recorder) -> str:
+    """Routed attention with pages of 1 over pages of 16, per context both files share."""
+    p16, p1 = DECODE_SPEED
+    c16 = {r["context"] for r in rec.load(p16)["results"]}
+    parts = []
+    for context in (r["context"] for r in rec.load(p1)["results"] if r["context"] in c16):
+        pair = [row(p, "results", "routed.attn_ms", context=context) for p in (p1, p16)]
+        parts.append(f"{context}: {rec.fig('r2', *pair, combine='ratio')}")
+    return "Routed attention time, pages of 1 over pages of 16 (separate runs): " + ", ".join(parts) + "."
+
+
+def decode_speed(rec: Recorder) -> Body:
+    """Decode attention and step times at long context, pages of 16 and of 1."""
+    present = [p for p in DECODE_SPEED if rec.exists(p)]
+    header = ["context", "attention ms Dynamic / exact / routed", "routed vs bytes bound / roofline"]
+    header += ["matmul floor ms fp32 / bf16 (vs bound)", "decode step ms Dynamic / exact / routed"]
+    header += ["routed KV read vs dense", "Dynamic / routed: attention / step"]
+    parts = []
+    for p in present:
+        c = rec.load(p)["config"]
+        parts.append(
+            f"`{p}`: pages of {c['page_size']}\n\n{table(header, decode_rows(rec, p))}\n\n{decode_goals(rec, p)}"
+        )
+    if len(present) == len(DECODE_SPEED):
+        parts.append(page_size_comparison(rec))
+    c = rec.load(present[0])["config"]
+    return Body(
+        measured=(
+            "one layer's decode attention and the whole decode step of DynamicCache + SDPA, PiKVCache exact and "
+            f"PiKVCache routed (top {c['top_k_shards']} of {c['shards']} shards, {c['n_sink']} sinks, window "
+            f"{c['window']}), caches filled with random K/V, router {c['router']}; {c['num_hidden_layers']} layers, "
+            f"{c['num_attention_heads']} query / {c['num_key_value_heads']} KV heads, head_dim {c['head_dim']}, "
+            f"{c['dtype']}. Bytes bound = K/V bytes read / measured read bandwidth; roofline = max(bytes bound, FLOPs "
+            "/ measured matmul rate); matmul floor = the two attention matmuls alone on contiguous tensors"
+        ),
+        commands=[rec.load(p)["command"] for p in present],
+        machine="; ".join(f"`{p}`: {machine_text(rec, p)}" for p in present),
+        reads=NA_READS + "; routed reads are query-aware (each step selects with its own query)",
+        budget=f"routed: top {c['top_k_shards']} of {c['shards']} shards per KV head plus sinks and window",
+        text="\n\n".join(parts),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- decode regression
+
+DECODE_REGRESSION = (f"{BENCH}/decode_regression_cpu.json", f"{BENCH}/decode_regression_page1_cpu.json")
+REGRESSION_KEYS = ("exact_attn_ms", "routed_attn_ms", "exact_step_ms", "routed_step_ms", "dynamic_attn_ms")
+
+
+def regression_table(rec: Recorder, p: str) -> str:
+    """New over base times per context of one ``compare_revisions`` JSON, with its target."""
+    rows = []
+    for i, res in enumerate(rec.load(p)["results"]):
+        cells = [str(res["context"])]
+        for key in REGRESSION_KEYS:
+            r = f"results.{i}.{key}."
+            base, new = rec.fig("ms", at(p, r + "base")), rec.fig("ms", at(p, r + "new"))
+            cells.append(f"{base} / {new} ({rec.fig('r2', at(p, r + 'new_over_base'))})")
+        rows.append(cells)
+    header = ["context", *(f"{k.replace('_ms', '')} ms base / new (ratio)" for k in REGRESSION_KEYS)]
+    d = rec.load(p)
+    bound = target_bound(d["target"])
+    checks = []
+    for key in ("exact_attn_ms", "routed_attn_ms"):
+        worst = agg("max", p, "results", f"{key}.new_over_base")
+        checks.append(f"{key} worst {rec.fig('r2', worst)}: {verdict(rec.value(worst) <= bound)}")
+    return (
+        f"`{p}`: base revision `{d['base_revision']}`; {d['note']}.\n\n{table(header, rows)}\n\n"
+        f"Target recorded in the JSON: {d['target']}. " + "; ".join(checks) + "."
+    )
+
+
+def decode_regression(rec: Recorder) -> Body:
+    """The working tree's decode speed against the base revision."""
+    present = [p for p in DECODE_REGRESSION if rec.exists(p)]
+    return Body(
+        measured=(
+            "decode speed of the working tree against an earlier revision, both trees' `bench_decode.py` run "
+            "alternately in one process tree (dynamic attention is the control: its code did not change)"
+        ),
+        commands=[rec.load(p)["command"] for p in present],
+        machine="; ".join(f"`{p}`: {machine_text(rec, p)}" for p in present),
+        reads=NA_READS,
+        budget="as in Decode speed",
+        text="\n\n".join(regression_table(rec, p) for p in present),
+    )
+
+
+# -------------------------------------------------------------------------------------------------------- kernels
+
+KERNELS_GLOB = f"{BENCH}/kernels_*.json"
+
+
+def kernel_table(rec: Recorder, p: str) -> str:
+    """One kernels JSON: the cases and the backend they ran on."""
+    rows = []
+    for i, case in enumerate(rec.load(p)["cases"]):
+        k = f"cases.{i}."
+        rows.append(
+            [
+                str(case["tokens"]),
+                str(case["selection_fraction"]),
+                rec.fig("ms", at(p, k + "ms")),
+                rec.fig("gbs", at(p, k + "gb_s")),
+                rec.fig("pct", at(p, k + "pct_peak")),
+                f"{rec.fig('ms', at(p, k + 'sdpa_full_ms'))} ({rec.fig('x', at(p, k + 'speedup_vs_sdpa_full'))})",
+                f"{rec.fig('ms', at(p, k + 'gather_sdpa_ms'))} ({rec.fig('x', at(p, k + 'speedup_vs_gather_sdpa'))})",
+                rec.fig("sci", at(p, k + "max_abs_diff_vs_gather_sdpa")),
+            ]
+        )
+    header = ["tokens", "share of pages read", "ms", "GB/s", "% of peak", "SDPA full ms (speedup)"]
+    header += ["gather + SDPA ms (speedup)", "max abs diff vs gather + SDPA"]
+    d = rec.load(p)
+    return (
+        f"`{p}`: backend {d['backend']}; peak {rec.fig('gbs', at(p, 'peak_gbs'))} GB/s ({d['peak_source']}).\n\n"
+        f"{table(header, rows)}\n\nTargets: {d['targets']}."
+    )
+
+
+def kernels(rec: Recorder) -> Body:
+    """Decode attention kernels against SDPA and gather + SDPA."""
+    files = rec.glob(KERNELS_GLOB)
+    c = rec.load(files[0])["config"]
+    return Body(
+        measured=(
+            f"decode attention through the backend seam, dense and sparse reads of one layer's pages ({c['heads']} "
+            f"query / {c['kv_heads']} KV heads, head_dim {c['head_dim']}, pages of {c['page_size']}, {c['dtype']}; "
+            f"selection: {c['selection']}; bytes read: {c['bytes_read']}), against SDPA over the whole cache and "
+            "gather + SDPA over the same pages; random keys (speed only)"
+        ),
+        commands=[rec.load(p)["command"] for p in files],
+        machine="; ".join(machine_text(rec, p) for p in files),
+        reads=NA_READS,
+        budget="share of each (row, KV head)'s pages read, per case",
+        text="\n\n".join(kernel_table(rec, p) for p in files),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- headline
+
+
+def largest_context(rec: Recorder, path: str) -> int:
+    """Index of the result row with the largest context."""
+    results = rec.load(path)["results"]
+    return max(range(len(results)), key=lambda i: results[i]["context"])
+
+
+def headline_exact(rec: Recorder) -> tuple[str, str, str] | None:
+    """Exact mode at the largest context."""
+    p = CACHE_EXACT
+    if not rec.exists(p):
+        return None
+    i = largest_context(rec, p)
+    r = f"results.{i}."
+    return (
+        f"Exact mode vs DynamicCache, {rec.load(p)['results'][i]['context']} tokens",
+        f"decode {rec.fig('ms', at(p, r + 'pikv.decode_ms_median'))} vs "
+        f"{rec.fig('ms', at(p, r + 'dynamic.decode_ms_median'))} ms/token "
+        f"({rec.fig('r2', at(p, r + 'decode_ratio_pikv_over_dynamic'))}), KV bytes "
+        f"{rec.fig('r3', at(p, r + 'kv_bytes_ratio_pikv_over_dynamic'))}x DynamicCache's",
+        "Exact cache vs DynamicCache",
+    )
+
+
+def headline_decode(rec: Recorder) -> tuple[str, str, str] | None:
+    """Routed decode at the largest context (pages of 16)."""
+    p = DECODE_SPEED[0]
+    if not rec.exists(p):
+        return None
+    i = largest_context(rec, p)
+    r = f"results.{i}."
+    return (
+        f"Routed decode vs Dynamic+SDPA, {rec.load(p)['results'][i]['context']} tokens",
+        f"attention {rec.fig('x', at(p, r + 'ratios.attn_dynamic_over_routed'))}, decode step "
+        f"{rec.fig('x', at(p, r + 'ratios.step_dynamic_over_routed'))} faster, reading "
+        f"{rec.fig('r3', at(p, r + 'routed.routing.kv_read_vs_dense'))} of the KV",
+        "Decode speed",
+    )

@@ -1,0 +1,147 @@
+"""Memory: ragged per-head budgets of the page store, peak memory of a long prefill, and KV sharded over ranks."""
+
+from __future__ import annotations
+
+from .framework import (
+    BENCH,
+    NA_READS,
+    Body,
+    Recorder,
+    at,
+    machine_text,
+    makefile_command,
+    row,
+    table,
+    target_bound,
+    verdict,
+)
+
+# -------------------------------------------------------------------------------------------------------- page store
+
+STORE_RAGGED = f"{BENCH}/store_ragged_cpu.json"
+
+
+def store_ragged(rec: Recorder) -> Body:
+    """Ragged per-head budgets of the page store and the cost of an eviction."""
+    p = STORE_RAGGED
+    d = rec.load(p)
+    mib = {
+        "KV before the ragged eviction": "ragged.kv_bytes_before",
+        "KV after": "ragged.kv_bytes_after",
+        "kept tokens' K/V": "ragged.kept_token_bytes",
+        "bound: kept + one partial page per (row, KV head, shard)": "ragged.bound_bytes",
+        "DynamicCache with the same budgets (largest head's tokens)": "ragged.dynamic_cache_bytes_same_budgets",
+    }
+    rows = [[name, rec.fig("mib", at(p, key)) + " MiB"] for name, key in mib.items()]
+    rows.append(["after over kept tokens' bytes", rec.fig("r3", at(p, "ragged.after_over_kept"))])
+    rows.append(["evict half of every head: ms", rec.fig("ms", at(p, "evict_half.evict_half_ms"))])
+    rows.append(["one exact decode attention: ms", rec.fig("ms", at(p, "evict_half.exact_decode_attention_ms"))])
+    rows.append(["evict half over one attention", rec.fig("r2", at(p, "evict_half.evict_over_attention"))])
+    t, ev = d["targets"], d["evict_half"]
+    fast = ev["evict_over_attention"] <= t["evict_over_attention_max"]
+    check = (
+        f"Targets recorded in the JSON: KV after within the bound: {verdict(d['ragged']['after_within_bound'])}; "
+        f"evict half <= {rec.fig('r2', at(p, 'targets.evict_over_attention_max'))}x one decode attention: "
+        f"{verdict(fast)}."
+    )
+    c = d["config"]
+    return Body(
+        measured=(
+            f"one layer holding {d['ragged']['context']} tokens keeps shares "
+            f"{', '.join(map(str, d['ragged']['kept_share_per_head']))} of the tokens of its KV heads (random tokens "
+            f"per head); allocated bytes against the kept tokens' bytes; and evicting half of every head's tokens "
+            f"against one exact decode attention; {c['num_attention_heads']} query / {c['num_key_value_heads']} KV "
+            f"heads, head_dim {c['head_dim']}, {c['shards']} shards, pages of {c['page_size']}, random keys"
+        ),
+        commands=[d["command"]],
+        machine=machine_text(rec, p),
+        reads=NA_READS,
+        budget="ragged: per KV head (the shares above)",
+        text=table(["measure", "value"], rows) + "\n\n" + check,
+    )
+
+
+# ------------------------------------------------------------------------------------------------- prefill memory
+
+PREFILL_MEMORY = f"{BENCH}/prefill_memory_cpu.json"
+
+
+def prefill_memory(rec: Recorder) -> Body:
+    """Peak resident memory of a long prefill, PiKVCache against DynamicCache."""
+    p = PREFILL_MEMORY
+    d = rec.load(p)
+    keys = ("peak_rss_bytes", "baseline_rss_bytes", "model_bytes", "kv_bytes", "meta_bytes")
+    rows = []
+    for i, r in enumerate(d["results"]):
+        k = f"results.{i}."
+        rows.append(
+            [r["malloc"], r["cache"]]
+            + [rec.fig("mib", at(p, k + name)) for name in keys]
+            + [rec.fig("r3", at(p, k + n)) for n in ("peak_over_kv_plus_model", "peak_over_kv_meta_plus_model")]
+        )
+    header = ["malloc", "cache", "peak RSS MiB", "baseline MiB", "model MiB", "KV MiB", "metadata MiB"]
+    header += ["(peak - baseline) / (KV + model)", "/ (KV + metadata + model)"]
+    bound = target_bound(d["target"])
+    judged = row(p, "results", "peak_over_kv_plus_model", cache="pikv", malloc="mmap_threshold_1MiB")
+    with_meta = row(p, "results", "peak_over_kv_meta_plus_model", cache="pikv", malloc="mmap_threshold_1MiB")
+    check = (
+        f"Target recorded in the JSON: {d['target']}: {rec.fig('r3', judged)}, {verdict(rec.value(judged) <= bound)} "
+        f"(counting the metadata with the KV: {rec.fig('r3', with_meta)}, {verdict(rec.value(with_meta) <= bound)})."
+    )
+    c = d["config"]
+    return Body(
+        measured=(
+            f"peak resident memory of a {c['context']}-token prefill of {c['model']} into a PiKVCache ({c['shards']} "
+            f"{c['router']} shards, pages of {c['page_size']}) and into a DynamicCache, each in a fresh process, with "
+            "glibc's default allocator settings and with MALLOC_MMAP_THRESHOLD_ = 1 MiB (live memory)"
+        ),
+        commands=[d["command"]],
+        machine=machine_text(rec, p),
+        reads=NA_READS,
+        budget="none (exact prefill)",
+        text=table(header, rows) + "\n\n" + check,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- distributed
+
+DISTRIBUTED = f"{BENCH}/distributed_gloo_cpu.json"
+
+
+def distributed(rec: Recorder) -> Body:
+    """Expert-sharded KV over gloo ranks: bytes per step and per-rank KV."""
+    p = DISTRIBUTED
+    d = rec.load(p)
+    rows = []
+    for router, runs in d["runs"].items():
+        for i, r in enumerate(runs):
+            k = f"runs.{router}.{i}."
+            rows.append(
+                [
+                    router,
+                    str(r["world_size"]),
+                    rec.fig("kib", at(p, k + "max_rank_kv_bytes")),
+                    rec.fig("r3", at(p, k + "max_rank_kv_over_o_l_over_g")),
+                    rec.fig("int", at(p, k + "partial_bytes_per_step")),
+                    rec.fig("int", at(p, k + "partial_sent_bytes_per_step")),
+                    rec.fig("mib", at(p, k + "allgather_kv_sent_bytes_per_step")),
+                    rec.fig("sci", at(p, k + "max_abs_logit_diff_vs_first")),
+                ]
+            )
+    header = ["router", "ranks G", "max rank KV KiB", "max rank KV / (KV of G = 1 / G)", "partial B per rank and step"]
+    header += ["partials sent B per step", "all-gather of the KV instead, MiB per step", "max abs logit diff vs G = 1"]
+    md, m = d["multi_device"], d["model"]
+    return Body(
+        measured=(
+            f"expert-sharded KV over G gloo ranks on one machine: a {m['arch']} with {m['num_local_experts']} experts, "
+            f"{m['num_hidden_layers']} layers, {m['num_attention_heads']} query / {m['num_key_value_heads']} KV heads "
+            f"of dim {m['head_dim']}, {m['dtype']}, {d['num_shards']} shards, {d['context']}-token prompt then "
+            f"{d['decode_steps']} decode steps; bytes handed to collectives per step and per-rank KV. Multi-device "
+            f"path exercised: {md['exercised']} ({md['why']})"
+        ),
+        commands=[makefile_command(rec, p)],
+        machine=machine_text(rec, p),
+        reads=NA_READS,
+        budget="none (exact attention, partials merged by log-sum-exp)",
+        text=table(header, rows),
+    )
