@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from pikv_hf import PiKVCache
-    from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.haystack import essay_sentences
     from pikv_hf.models import load_smollm2
     from pikv_hf.presses import DecodingBudgetPress, H2OPress
 

@@ -38,7 +38,7 @@ def main() -> None:
     from transformers import DynamicCache
 
     from pikv_hf import PiKVCache
-    from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.haystack import essay_sentences
     from pikv_hf.models import load_smollm2
 
     model, tok = load_smollm2()

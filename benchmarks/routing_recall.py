@@ -28,7 +28,7 @@ from pikv_hf.routing import SELECTORS
 
 def essay_ids(tokenizer, n_tokens: int, reverse: bool = False) -> torch.Tensor:
     """``[1, n_tokens]`` ids of the essays concatenated in sorted (or reverse) file order."""
-    from pikv_hf.eval.ruler import essays_dir
+    from pikv_hf.eval.haystack import essays_dir
 
     paths = sorted(essays_dir().glob("*.txt"), reverse=reverse)
     ids: list[int] = []

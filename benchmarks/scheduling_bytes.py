@@ -1,7 +1,7 @@
 """KV bytes a PiKVCache allocates after each scheduling press, against (1 - r) x a DynamicCache's, on SmolLM2.
 
 One ``--context``-token prefill of essay text into a PiKVCache (hooks recorded); every press at every ratio is
-replayed on a fork of it (``pikv_hf.eval.runner.PrefillRecord``), and the fork's ``kv_nbytes()`` (the
+replayed on a fork of it (``pikv_hf.eval.points.PrefillRecord``), and the fork's ``kv_nbytes()`` (the
 tensors it holds for its resident tokens) is compared with ``(1 - r)`` times the bytes of a DynamicCache holding the
 uncompressed context. FlexGen's non-resident share sits in the offload tier (``offloaded_nbytes()``, reported
 apart); Quest selects per step and frees nothing (not in the check).
@@ -31,9 +31,9 @@ def main() -> None:
     from transformers import DynamicCache
 
     from pikv_hf import PiKVCache
+    from pikv_hf.eval.haystack import essay_sentences
     from pikv_hf.eval.pikv_presses import PIKV_PRESSES, build_pikv_press, duo_heads
-    from pikv_hf.eval.ruler import essay_sentences
-    from pikv_hf.eval.runner import PrefillRecord
+    from pikv_hf.eval.points import PrefillRecord
     from pikv_hf.models import load_smollm2
 
     model, tok = load_smollm2()

@@ -79,7 +79,7 @@ def test_fixture_rows_score_as_hand_computed():
 
 
 def test_prompt_split_and_middle_truncation():
-    from pikv_hf.eval.runner import PromptBuilder
+    from pikv_hf.eval.generation import PromptBuilder
 
     class Builder(PromptBuilder):
         def __init__(self):

@@ -6,18 +6,17 @@ import re
 
 import pytest
 
+from pikv_hf.eval.haystack import Haystack, insert_needles
 from pikv_hf.eval.ruler import (
     NEEDLE_TASKS,
     RULER_TASKS,
-    Haystack,
     generate_sample,
-    insert_needles,
     resolve_tasks,
     score_sample,
     string_match_all,
     string_match_part,
-    zipf_counts,
 )
+from pikv_hf.eval.ruler_tasks import zipf_counts
 
 
 def words(text: str) -> int:

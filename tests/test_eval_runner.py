@@ -15,8 +15,12 @@ from fixtures.tiny_assets import save_tiny_model_dir, tiny_llama
 
 from pikv_hf import PiKVCache
 from pikv_hf.cli import main as cli_main
-from pikv_hf.eval import runner
-from pikv_hf.eval.runner import EvalConfig, PrefillRecord, build_press, prefill, press_names, run_eval
+from pikv_hf.eval import generation, summary
+from pikv_hf.eval import points as eval_points
+from pikv_hf.eval.config import EvalConfig, build_press, press_names
+from pikv_hf.eval.generation import prefill
+from pikv_hf.eval.points import PrefillRecord
+from pikv_hf.eval.runner import run_eval
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -82,13 +86,13 @@ def test_interrupted_run_resumes_without_redoing_finished_samples(model_dir, tmp
     # simulate a crash: two finished rows and a torn third line
     (out / "predictions.jsonl").write_text("".join(lines[:2]) + lines[2][:17])
     calls = []
-    original = runner.answer_from_cache
+    original = generation.answer_from_cache
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "answer_from_cache", counting)
+    monkeypatch.setattr(generation, "answer_from_cache", counting)
     run_eval(config, progress=False)
     assert len(calls) == 2
     new_lines = (out / "predictions.jsonl").read_text().splitlines(keepends=True)
@@ -271,8 +275,8 @@ def test_a_press_with_passes_of_its_own_prefills_a_pikv_cache_of_its_own(tmp_pat
     ids = torch.randint(0, 300, (1, 150), generator=torch.Generator().manual_seed(1))
     config = _ruler_config("unused", tmp_path, cache="pikv", presses=["kvzip", "snapkv"], ratios=[0.5])
     calls = []
-    monkeypatch.setattr(runner, "prefill", lambda m, c, press, cache: calls.append((press, cache)) or cache)
-    make = runner.pikv_decoders(model, config, ids)
+    monkeypatch.setattr(eval_points, "prefill", lambda m, c, press, cache: calls.append((press, cache)) or cache)
+    make = eval_points.pikv_decoders(model, config, ids)
     cache, _, _ = make("kvzip", 0.5)
     ((press, into),) = calls
     assert type(press).__name__ == "KVzipPress" and press.compression_ratio == 0.5 and into is cache
@@ -308,7 +312,7 @@ def test_longbench_end_to_end_through_the_command_line(model_dir, tmp_path, caps
 
 def test_protocol_names_query_aware_and_agnostic_points():
     def protocol(presses, cache="pikv"):
-        return runner._protocol(
+        return summary.protocol(
             EvalConfig(suite="ruler", model="smollm2", presses=presses, ratios=[0.5], out="x", cache=cache)
         )
 

@@ -9,7 +9,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_needle_retrieval_at_1k_without_compression(tmp_path):
-    from pikv_hf.eval.runner import EvalConfig, run_eval
+    from pikv_hf.eval.config import EvalConfig
+    from pikv_hf.eval.runner import run_eval
 
     metrics = run_eval(
         EvalConfig(
@@ -28,8 +29,11 @@ def test_needle_retrieval_at_1k_without_compression(tmp_path):
 
 
 def test_replayed_prefill_equals_kvpress_flow_on_smollm2():
-    from pikv_hf.eval.ruler import Haystack, generate_sample
-    from pikv_hf.eval.runner import PrefillRecord, PromptBuilder, build_press, prefill
+    from pikv_hf.eval.config import build_press
+    from pikv_hf.eval.generation import PromptBuilder, prefill
+    from pikv_hf.eval.haystack import Haystack
+    from pikv_hf.eval.points import PrefillRecord
+    from pikv_hf.eval.ruler import generate_sample
     from pikv_hf.models import load_smollm2
 
     model, tok = load_smollm2()

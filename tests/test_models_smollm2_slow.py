@@ -45,7 +45,7 @@ def test_loaded_model_answers_a_simple_question(smollm2):
 
 
 def test_upcycled_smollm2_equals_dense_and_routes_by_content(smollm2):
-    from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.haystack import essay_sentences
     from pikv_hf.models import upcycle_to_moe
 
     model, tok = smollm2
@@ -68,7 +68,7 @@ def test_kvpress_pipeline_on_a_pikv_cache_answers_like_dynamic_cache(smollm2):
     from transformers import DynamicCache, pipeline
 
     from pikv_hf import PiKVCache
-    from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.haystack import essay_sentences
 
     model, tok = smollm2
     context = (

@@ -84,7 +84,7 @@ def build_scheduler(name: str, ratio: float):
 
 def answer(model, tokenizer, name: str, cache, prompt, presses: list, max_new_tokens: int) -> Answer:
     """Prefill the context (under ``presses``), then ask the question and decode greedily."""
-    from pikv_hf.eval.runner import answer_from_cache, eos_token_ids
+    from pikv_hf.eval.generation import answer_from_cache, eos_token_ids
 
     context_ids, question_ids = prompt
     context = int(context_ids.shape[1])
@@ -137,8 +137,9 @@ def run_demo(args: argparse.Namespace) -> int:
         from pikv_hf.demo_tiny import run_tiny_demo
 
         return run_tiny_demo(args)
-    from pikv_hf.eval.ruler import MAX_NEW_TOKENS, Haystack, generate_sample
-    from pikv_hf.eval.runner import PromptBuilder
+    from pikv_hf.eval.generation import PromptBuilder
+    from pikv_hf.eval.haystack import Haystack
+    from pikv_hf.eval.ruler import MAX_NEW_TOKENS, generate_sample
     from pikv_hf.models import load_named_model
     from pikv_hf.presses import QuantPress
 

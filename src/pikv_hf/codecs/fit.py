@@ -64,7 +64,7 @@ def default_path(model: torch.nn.Module, method: str, rank: int) -> Path:
 # ---------------------------------------------------------------------------------------------- recording
 def calibration_ids(tokenizer, tokens: int) -> torch.Tensor:
     """``[1, tokens]`` ids of the calibration half of the essays."""
-    from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.haystack import essay_sentences
 
     sentences = essay_sentences()
     text = " ".join(sentences[: len(sentences) // 2])[: 8 * tokens]  # > 8 characters per token is rare

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         :class:`pikv_hf.checks.CommandLineError` before anything is written.
     """
     from pikv_hf.checks import CommandLineError
-    from pikv_hf.eval.runner import EvalConfig, resolve_inputs, run_eval
+    from pikv_hf.eval.config import EvalConfig, resolve_inputs
+    from pikv_hf.eval.runner import run_eval
 
     tasks = args.tasks or ("needle" if args.suite == "ruler" else "all")
     try:

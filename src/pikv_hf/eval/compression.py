@@ -138,7 +138,7 @@ def reconstruction_error(press, layers) -> dict | None:
 
 def held_out_ids(tokenizer, tokens: int) -> torch.Tensor:
     """``[1, tokens]`` ids of the end of the essays (held out from the projections' calibration half)."""
-    from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.haystack import essay_sentences
 
     sentences = essay_sentences()
     text = " ".join(sentences[len(sentences) // 2 :])

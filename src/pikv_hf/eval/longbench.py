@@ -272,7 +272,7 @@ def build_example(row: dict, name: str, builder, max_length: int) -> dict:
         A validated LongBench row.
     name : str
         Dataset name.
-    builder : pikv_hf.eval.runner.PromptBuilder
+    builder : pikv_hf.eval.generation.PromptBuilder
         Tokenizer wrapper that builds the context/question ids.
     max_length : int
         Maximum prompt length in tokens (without chat scaffolding); the context is cut in the middle beyond it.

