@@ -7,8 +7,15 @@ and once with a ``PiKVCache``. Expected outcomes:
 * ``same``: the answers equal the DynamicCache run's (the press's choice is deterministic and position-based), and
   the PiKVCache holds at most ``(1 - r)`` of its no-press bytes plus one page per (row, KV head, shard). Head-wise
   presses (AdaKV, CriticalAdaKV) are here too: kvpress only masks their tokens, a PiKVCache frees them.
-* ``pikv_only``: kvpress fails on a DynamicCache (per-layer budgets: transformers builds one mask for all layers, so
-  the pipeline's multi-token question breaks) while the PiKVCache, which masks per layer, runs and meets the bound.
+* ``per_layer``: per-layer budgets (PyramidKV, PerLayerCompression, ChunkKV) in kvpress's pipeline. kvpress's own
+  DynamicCache run fails: transformers builds one 4-D mask for all layers, sized by layer 0's kept length, so the
+  pipeline's multi-token question meets a layer holding another number of tokens (asserted: the error names exactly
+  those two lengths). The reference is then the same press on a DynamicCache whose attention masks each layer by its
+  own length (kvpress's attention patch over SDPA with a bottom-right causal mask; exact here: one row, no padding,
+  every kept context token precedes the question). The answers equal that reference's, each PiKVCache layer keeps
+  exactly the reference layer's number of tokens, the budgets really differ per layer, and the bytes are at most the
+  reference's plus one page per (row, KV head, shard). Decode steps of one token need no mask, so under ``hooks``
+  these presses are plain ``same`` cases.
 * ``random``: RandomPress; the byte bound is checked, the answers are not comparable.
 * ``rewrites``: the press rewrites keys or values instead of dropping tokens; the PiKVCache raises a ValueError that
   names the press.
@@ -18,11 +25,16 @@ Not built here because they need a download: DuoAttentionPress, QFilterPress, KV
 KVzipPress, FastKVzipPress, KVgradPress, RestoreKVPress, LUKVPress.
 """
 
+import contextlib
+import re
+
 import kvpress
 import pytest
 import torch
 from helpers import DynamicCache, byte_tokenizer, model_pair, prompt
-from transformers import pipeline
+from kvpress.attention_patch import attention_patch
+from transformers import AttentionInterface, pipeline
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pikv_hf import PiKVCache
 
@@ -43,8 +55,8 @@ def _decoding():
 
 
 # per-layer budgets: one 4-D mask for all layers breaks a multi-token forward on a DynamicCache (kvpress's pipeline
-# questions); decode steps of one token need no mask, so there the DynamicCache result is the reference
-PER_LAYER = {"pipeline": "pikv_only", "hooks": "same"}
+# questions), so there a DynamicCache masked per layer is the reference; decode steps of one token need no mask
+PER_LAYER = {"pipeline": "per_layer", "hooks": "same"}
 PRESSES = {
     # name: (factory, compression ratio of the context it promises (None: no fixed ratio), outcome by arch)
     "KnormPress": (_knorm, RATIO, "same"),
@@ -104,6 +116,34 @@ PRESSES = {
 }
 CONTEXT = "The quick brown fox jumps over the lazy dog near the river bank at dawn. " * 2
 QUESTIONS = ["Who jumps?", "Where?"]
+
+
+PER_LAYER_ATTN = "per_layer_causal_sdpa"
+MASK_MISMATCH = re.compile(r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at .*")
+
+
+def _per_layer_causal_sdpa(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+    """SDPA over this layer's own keys with a bottom-right causal mask (query ``i`` of ``q`` sees the keys up to
+    ``len - q + i``): the mask transformers would build if it sized it per layer. Registered without a mask function,
+    so transformers hands it no mask at all."""
+    assert attention_mask is None, "a mask function was registered for the per-layer reference"
+    q, k = query.shape[2], key.shape[2]
+    causal = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+    return sdpa_attention_forward(module, query, key, value, causal[None, None], dropout=dropout, **kwargs)
+
+
+# wrapped in kvpress's attention patch, as kvpress wraps every registered implementation when it is imported
+AttentionInterface.register(PER_LAYER_ATTN, attention_patch(_per_layer_causal_sdpa))
+
+
+@contextlib.contextmanager
+def _masked_per_layer(model):
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(PER_LAYER_ATTN)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def _outcome(name: str, arch: str, mode: str) -> str:
@@ -167,16 +207,50 @@ def test_press_on_pikv_cache(name, arch, mode):
         assert dyn_err is None and isinstance(err, ValueError) and name in str(err), err
         return
     assert err is None, err
-    if outcome == "pikv_only":
-        assert dyn_err is not None and "size of tensor" in str(dyn_err)
+    if outcome == "per_layer":
+        assert dyn_err is not None
+        dyn = DynamicCache()
+        torch.manual_seed(0)
+        with _masked_per_layer(ref):
+            dyn_answers = _run(mode, ref, dyn, factory())
+        lengths = [layer.keys.shape[2] for layer in dyn.layers]  # the context tokens each layer kept
+        assert len(set(lengths)) > 1, lengths  # the budgets really differ per layer
+        other = next(n for n in lengths if n != lengths[0])
+        question = len(byte_tokenizer().encode(QUESTIONS[0] + "\n", add_special_tokens=False))  # + kvpress's suffix
+        sizes = MASK_MISMATCH.fullmatch(str(dyn_err))
+        assert sizes is not None, dyn_err  # the mask sized by layer 0 against the first layer of another length
+        assert {int(n) for n in sizes.groups()} == {lengths[0] + question, other + question}, (dyn_err, lengths)
+        kept = [int(layer.tokens_per_shard().sum()) for layer in cache.layers]
+        assert kept == [layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in dyn.layers]
+        assert _bytes(cache) <= _bytes(dyn) + _slack_bytes(cache)
     else:
         assert dyn_err is None, dyn_err
-    if outcome == "same":
+    if outcome in ("same", "per_layer"):
         assert answers == dyn_answers
     if ratio is not None and mode == "hooks":  # the pipeline's answers are trimmed off again: bytes of the context
         baseline = PiKVCache(model, page_size=PAGE)
         _run(mode, model, baseline, kvpress.KnormPress(0.0))
         assert _bytes(cache) <= (1 - ratio) * _bytes(baseline) + _slack_bytes(cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+@pytest.mark.parametrize("name", ["KnormPress", "AdaKVPress"])
+def test_per_layer_masked_reference_is_kvpress_own_dynamic_cache_run_where_that_runs(name, arch):
+    """The ``per_layer`` reference changes only the mask: where every layer keeps as many tokens (KnormPress) its
+    answers and cache are those of kvpress's own DynamicCache run, and a head-wise press still masks through
+    kvpress's attention patch (AdaKVPress)."""
+    ref, _ = model_pair(arch)
+    runs = []
+    for masked in (False, True):
+        cache = DynamicCache()
+        torch.manual_seed(0)
+        with _masked_per_layer(ref) if masked else contextlib.nullcontext():
+            runs.append((_run("pipeline", ref, cache, PRESSES[name][0]()), cache))
+        assert ref.config._attn_implementation == "sdpa"
+    (answers, cache), (masked_answers, masked_cache) = runs
+    assert masked_answers == answers
+    for a, b in zip(cache.layers, masked_cache.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
 def test_head_wise_press_frees_bytes_that_kvpress_only_masks():
