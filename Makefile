@@ -188,5 +188,16 @@ eval-compression: $(STAMP)
 		--press $(COMPRESSION_POINTS) --perplexity-context 2048 --out $(EVAL_RESULTS)/compression_smollm2_pikv_2048
 # <<< compression targets
 
+# >>> kvpress suite (issue 25)
+# kvpress's own tests (its sdist, fetched with pip into $$PIKV_HF_CACHE) on DynamicCache and again with PiKVCache in
+# its place, offline (a local stand-in for their tiny hub model): counts and per-test outcomes in
+# benchmarks/results/kvpress_suite_cpu.json (~4 min on 2 cores). Not part of `make test`. KVPRESS_SUITE_ARGS=--pikv-rev
+# HEAD tests the committed pikv_hf instead of the working tree's.
+KVPRESS_SUITE_ARGS ?=
+.PHONY: test-kvpress-suite
+test-kvpress-suite: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/kvpress_suite.py $(KVPRESS_SUITE_ARGS) --out benchmarks/results/kvpress_suite_cpu.json
+# <<< kvpress suite
+
 clean-venv:
 	rm -rf $(VENV)
