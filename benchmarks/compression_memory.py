@@ -68,8 +68,8 @@ def compress(model, cache: PiKVCache, press, spec: str) -> None:
     if spec.startswith("pyramid"):
         for layer, decoder in zip(cache.layers, model.model.layers, strict=True):
             view = layer.view()
-            ratio = press.layer_ratio(decoder.self_attn, view.pos.shape[-1])
-            evict_lowest(layer, view.keys.float().norm(dim=-1), ratio, press.shard_budget)
+            budget = press.budget(decoder.self_attn, view)
+            evict_lowest(layer, view, view.keys.float().norm(dim=-1), budget, press.shard_budget)
         return
     press.post_init_from_model(model)
     for layer in cache.layers:

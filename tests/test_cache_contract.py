@@ -88,9 +88,9 @@ def test_attention_after_ragged_eviction_equals_dense_attention_over_kept_tokens
     frame_pos = layer.store.frame("pos").long().clamp(min=0, max=t - 1)
     layer.evict(layer.store.frame("valid") & keep.gather(2, frame_pos))
     new_k, new_v = torch.randn(b, h, 1, d, generator=gen), torch.randn(b, h, 1, d, generator=gen)
-    view, _ = cache.update(new_k, new_v, 0)
+    cache.update(new_k, new_v, 0)
     query = torch.randn(b, 2 * h, 1, d, generator=gen)
-    out = view.layer.attend(query, d**-0.5, None, None, None)  # [B, 1, Hq, D]
+    out = cache.layers[0].attend(query, d**-0.5, None, None)  # [B, 1, Hq, D]
     for bi in range(b):
         for hq in range(2 * h):
             hi = hq // 2

@@ -151,7 +151,7 @@ def test_compressed_bytes_are_the_bytes_of_the_tensors_held(model):
             press.compress_layer(layer, prefilling=True)
     held = 0
     for layer in cache.layers:
-        for store in layer.stores():
+        for store in layer.stores.all():
             held += sum(store.pool[n].numel() * store.pool[n].element_size() for n in store.kv_fields)
     report = cache_report(cache)
     assert report["kv_bytes"] == cache.kv_nbytes() == held < before / 2

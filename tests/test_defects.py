@@ -28,19 +28,20 @@ def test_1_topk_routed_steps_run_no_recall_pass():
     cache.update(torch.randn(1, H, T, D, generator=gen), torch.randn(1, H, T, D, generator=gen), 0)
     layer = cache.layers[0]
     calls = []
-    original = layer._recall
-    layer._recall = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = layer.step.recall
+    layer.step.recall = lambda *a, **k: calls.append(1) or original(*a, **k)
     for _ in range(33):
         kv = torch.randn(1, H, 1, D, generator=gen)
-        view, _ = cache.update(kv, kv, 0)
-        view.layer.attend(torch.randn(1, H * G, 1, D, generator=gen), D**-0.5, None, None, None)
-    assert calls == [] and layer.routing_stats.recall_heads == 0
+        cache.update(kv, kv, 0)
+        cache.layers[0].attend(torch.randn(1, H * G, 1, D, generator=gen), D**-0.5, None, None)
+    assert calls == [] and layer.read_stats.recall_heads == 0
     # a learning selector still gets its reward every reward_every steps
     cache.set_attention("routed", top_k_shards=1, selector="adaptive", reward_every=16)
+    layer.step.recall = lambda *a, **k: calls.append(1) or layer.step.__class__.recall(layer.step, *a, **k)
     for _ in range(32):
         kv = torch.randn(1, H, 1, D, generator=gen)
-        view, _ = cache.update(kv, kv, 0)
-        view.layer.attend(torch.randn(1, H * G, 1, D, generator=gen), D**-0.5, None, None, None)
+        cache.update(kv, kv, 0)
+        cache.layers[0].attend(torch.randn(1, H * G, 1, D, generator=gen), D**-0.5, None, None)
     assert len(calls) == 2
 
 
@@ -66,8 +67,8 @@ def test_2_evicted_counts_are_per_row_and_head_and_lengths_stay_consistent():
     assert torch.equal(layer.store.tokens_per_shard().sum(-1), torch.tensor([[n - 6, n - 3]]))
     kv_length, kv_offset = layer.get_mask_sizes(torch.tensor([n]))
     assert (kv_length, kv_offset) == (n + 1 - 3, 3)
-    view, _ = cache.update(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen), 0)
-    assert view.shape[2] == n + 1 - 3 >= 0
+    keys, _ = cache.update(torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H, 1, D, generator=gen), 0)
+    assert keys.shape[2] == n + 1 - 3 >= 0  # the longest (row, head): head 1, 3 evicted
 
 
 def test_3_prefill_keys_are_not_held_after_the_forward():
@@ -100,11 +101,13 @@ def test_4_left_padded_rows_get_their_first_real_tokens_as_sinks():
     padding = torch.ones(B, T + 1, dtype=torch.bool)
     padding[1, :pads] = False
     layer = cache.layers[0]
-    view, _ = cache.update(keys[:, :, :T], values[:, :, :T], 0)
-    layer.attend(torch.randn(B, H * G, T, D, generator=gen), D**-0.5, padding[:, :T], None, None)
+    cache.begin_forward(padding[:, :T], T, True)  # what the forward hook hands over: pads take no slot
+    cache.update(keys[:, :, :T], values[:, :, :T], 0)
+    layer.attend(torch.randn(B, H * G, T, D, generator=gen), D**-0.5, None, None)
+    cache.end_forward()
     cache.update(keys[:, :, T:], values[:, :, T:], 0)
     query = torch.randn(B, H * G, 1, D, generator=gen)
-    out = layer.attend(query, D**-0.5, padding, None, None)
+    out = layer.attend(query, D**-0.5, None, None)
     shards = shard_of_positions(layer.store, T + 1)
     chosen = layer.policy._last[1]  # [B, H, 1] the selected shard of each row and head
     pos = torch.arange(T + 1)
@@ -133,11 +136,11 @@ def test_5_routed_reads_update_the_attention_statistics():
         before = layer.store.frame("attn_mass").sum(-1)
         kv = torch.randn(1, H, 1, D, generator=gen)
         cache.update(kv, kv, 0)
-        layer.attend(torch.randn(1, H * G, 1, D, generator=gen), D**-0.5, None, None, None)
+        layer.attend(torch.randn(1, H * G, 1, D, generator=gen), D**-0.5, None, None)
         after = layer.store.frame("attn_mass")
         # each of the G query rows of a KV head hands out a probability mass of 1, only to tokens it read
         assert torch.allclose(after.sum(-1) - before, torch.full((1, H), float(G)), atol=1e-5)
-        read_tokens = layer.routing_stats.tokens_attended
+        read_tokens = layer.read_stats.counts()["tokens_attended"]
         assert int((after > 0).sum()) <= read_tokens < H * (T + 1)
         last = layer.store.frame("last_access")
         assert int((last == T).sum()) > 0  # tokens hit by this step's query record its position
@@ -171,11 +174,11 @@ def test_8_gather_scratch_is_per_stream(monkeypatch):
     kv = torch.randn(1, H, 1, D, generator=gen)
     cache.update(kv, kv, 0)
     query = torch.randn(1, H * G, 1, D, generator=gen)
-    one = layer.attend(query, D**-0.5, None, None, None)
+    one = layer.attend(query, D**-0.5, None, None)
     held = cache.workspace_nbytes()
     monkeypatch.setattr(backend_module, "_stream_key", lambda device: 7)  # as if a second stream were current
     cache.layers[0]._last_qpos = torch.tensor([T])
-    other = layer.attend(query, D**-0.5, None, None, None)
+    other = layer.attend(query, D**-0.5, None, None)
     assert torch.equal(one, other)
     assert cache.workspace_nbytes() == 2 * held  # a separate scratch for the other stream
 
@@ -200,11 +203,11 @@ def test_decode_after_ragged_eviction_grows_runs_and_stays_exact(page_size):
     assert not layer.store.table.uniform
     for step in range(3 * page_size + 5):
         k, v = torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen)
-        view, _ = cache.update(k, v, 0)
+        cache.update(k, v, 0)
         keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
         keep = torch.cat([keep, torch.ones(B, H, 1, dtype=torch.bool)], 2)
         query = torch.randn(B, H * G, 1, D, generator=gen)
-        out = view.layer.attend(query, D**-0.5, None, None, None)
+        out = cache.layers[0].attend(query, D**-0.5, None, None)
         for bi in range(B):
             for hq in range(H * G):
                 hi = hq // G

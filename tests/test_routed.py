@@ -47,9 +47,9 @@ def _one_decode_step(seed, page_size=PAGE, **cache_kwargs):
     )
     keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
     cache.update(keys[:, :, :T], values[:, :, :T], 0)
-    view, _ = cache.update(keys[:, :, T:], values[:, :, T:], 0)
+    cache.update(keys[:, :, T:], values[:, :, T:], 0)
     query = torch.randn(B, H * G, 1, D, generator=gen)
-    return cache, keys, values, query, view.layer.attend(query, D**-0.5, None, None, None)
+    return cache, keys, values, query, cache.layers[0].attend(query, D**-0.5, None, None)
 
 
 def test_routed_step_attends_exactly_to_selected_shards_sinks_and_window():
@@ -97,7 +97,7 @@ def test_reset_frees_the_gather_workspace_shared_by_the_layers():
     cache, *_ = _one_decode_step(3, router="round_robin", num_shards=4, attention="routed", top_k_shards=1)
     layer = cache.layers[0]
     # the routed read's slots (padded to the largest per-head read): K and V (fp32), pos (int32), valid (bool)
-    assert cache.workspace_nbytes() >= layer.routing_stats.slots_gathered * (2 * D * 4 + 4 + 1) > 0
+    assert cache.workspace_nbytes() >= layer.read_stats.counts()["slots_gathered"] * (2 * D * 4 + 4 + 1) > 0
     assert all(la.backend is cache.backend for la in cache.layers)
     cache.reset()
     assert cache.workspace_nbytes() == 0 and all(layer.store is None for layer in cache.layers)

@@ -339,22 +339,3 @@ def test_unsupported_model_is_refused_before_the_cache_changes():
         with H2OPress(0.5)(model):
             model(prompt(12), past_key_values=cache)
     assert cache.get_seq_length() == 0 and math.isclose(cache.kv_nbytes(), 0)
-
-
-def test_adakv_keeps_each_rows_budget_when_rows_hold_different_lengths():
-    # a left-padded row of 15 tokens and a full row of 80: each keeps min(H * n_kept, its tokens), by score
-    from pikv_hf.presses.adakv_press import adaptive_keep
-
-    h, t, n_kept, short = 2, 80, 20, 15
-    scores = torch.rand(2, h, t, generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(t).expand(2, h, t).clone()
-    pos[0] -= t - short  # row 0: padding (-1 and below) before its 15 tokens
-    pos[0] = pos[0].clamp(min=-1)
-    keep = adaptive_keep(scores, pos, n_kept, alpha=0.0)
-    budgets = [h * short, h * n_kept]
-    assert keep.sum(dim=(1, 2)).tolist() == budgets
-    for row, budget in enumerate(budgets):  # the best-scored present entries, each head's newest token forced in
-        ranked = scores[row].masked_fill(pos[row] < 0, -1.0)
-        ranked[:, -1] = 2.0
-        best = ranked.flatten().topk(budget).indices
-        assert torch.equal(keep[row].flatten().nonzero().flatten(), best.sort().values)

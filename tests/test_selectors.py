@@ -190,9 +190,10 @@ def test_bad_input(name: str) -> None:
         resident=summary.resident,
         misses=summary.misses,
     )
-    # base.check_select_args words this one without a parameter name ("before any token was stored").
-    with pytest.raises(ValueError, match="token was stored"):
-        selector.select(query, empty, 2)
+    # checks read shapes only (selection runs inside decode steps, without host reads): with every shard empty a
+    # selector still returns k distinct shard ids
+    picked = selector.select(query, empty, 2)
+    assert picked.shape[-1] == 2 and bool((picked[..., 0] != picked[..., 1]).all())
 
 
 def test_registry() -> None:

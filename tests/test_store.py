@@ -156,17 +156,14 @@ def _store_and_random_keys(seed: int) -> tuple[PagedStore, torch.Tensor, torch.T
     return _store(B, H, D, D, S, P), torch.randint(0, S, (B, H, N), generator=g), torch.randn(B, H, N, D, generator=g)
 
 
-def test_shard_summaries_follow_appends_invalidation_and_retain():
+def test_shard_summaries_follow_appends_padding_and_retain():
     store, shard, k = _store_and_random_keys(2)
-    store.append(k[:, :, :20], k[:, :, :20], shard[:, :, :20], torch.arange(20))
-    count, total, lo, hi = _summary_reference(k[:, :, :20], shard[:, :, :20], torch.ones(B, H, 20, dtype=torch.bool), S)
-    assert torch.equal(store.stats.min, lo) and torch.equal(store.stats.max, hi)  # exact while nothing left
-    pad = torch.ones(B, 20, dtype=torch.bool)
-    pad[1, :6] = False  # left padding of row 1
-    store.invalidate(0, pad)
-    store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
     mask = torch.ones(B, H, 30, dtype=torch.bool)
-    mask[1, :, :6] = False
+    mask[1, :, :6] = False  # left padding of row 1: stored nowhere, in no summary
+    store.append(k[:, :, :20], k[:, :, :20], shard[:, :, :20], torch.arange(20), mask[..., :20])
+    count, total, lo, hi = _summary_reference(k[:, :, :20], shard[:, :, :20], mask[..., :20], S)
+    assert torch.equal(store.stats.min, lo) and torch.equal(store.stats.max, hi)  # exact while nothing left
+    store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
 
     def check(mask):
         count, total, lo, hi = _summary_reference(k, shard, mask, S)
@@ -188,14 +185,16 @@ def test_shard_summaries_follow_appends_invalidation_and_retain():
     check(keep)
 
 
-def test_page_bounds_follow_appends_invalidation_retain_and_batch_indexing():
+def test_page_bounds_follow_appends_padding_retain_and_batch_indexing():
     store, shard, k = _store_and_random_keys(3)
-    store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12))
+    present = torch.ones(B, H, 12, dtype=torch.bool)
+    present[1, :, :3] = False  # left padding takes no slot
+    store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12), present)
     store.enable_page_bounds()  # computed from what is stored, then maintained
     store.append(k[:, :, 12:20], k[:, :, 12:20], shard[:, :, 12:20], torch.arange(12, 20))
-    pad = torch.ones(B, 8, dtype=torch.bool)
-    pad[1, :3] = False
-    store.invalidate(12, pad)
+    keep = store.frame("valid").clone()
+    keep[0, 0, :5] = False  # an eviction leaves the other pages' bounds as they were
+    store.retain(keep)
     store.append(k[:, :, 20:], k[:, :, 20:], shard[:, :, 20:], torch.arange(20, 30))
 
     def check(exact: bool):
@@ -214,8 +213,8 @@ def test_page_bounds_follow_appends_invalidation_retain_and_batch_indexing():
                             assert torch.equal(bound_lo, members.amin(0)) and torch.equal(bound_hi, members.amax(0))
                         assert (bound_lo <= members.amin(0)).all() and (bound_hi >= members.amax(0)).all()
 
-    check(exact=False)  # padding left the bounds of its pages loose but valid
-    assert int(store.frame("valid").sum()) == B * H * 30 - 3 * H
+    check(exact=True)  # appends and re-packs keep exact bounds
+    assert int(store.frame("valid").sum()) == B * H * 30 - 3 * H - 5
     keep = store.frame("valid").clone()
     keep[0, 1, :7] = False
     store.retain(keep)

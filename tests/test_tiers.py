@@ -19,8 +19,8 @@ def _layer(split: bool, seed: int = 0, **kwargs):
     cache.update(keys[:, :, :T], values[:, :, :T], 0)
     layer = cache.layers[0]
     if split:
-        st = layer.store
-        moved = layer.move_to_tier("cold", st.frame("valid") & (st.frame("pos") < 30))
+        view = layer.view_index()
+        moved = layer.move_to_tier("cold", view, view.pos < 30)
         assert moved.tolist() == [[30, 30], [30, 30]]
     cache.update(keys[:, :, T:], values[:, :, T:], 0)
     return cache, layer, keys, values
@@ -33,8 +33,8 @@ def test_split_layer_attends_as_the_single_store(read):
     query = torch.randn(B, H * G, 1, D, generator=torch.Generator().manual_seed(9))
     one, one_layer, keys, values = _layer(False, **read)
     two, two_layer, _, _ = _layer(True, **read)
-    a = one_layer.attend(query, D**-0.5, None, None, None)
-    b = two_layer.attend(query, D**-0.5, None, None, None)
+    a = one_layer.attend(query, D**-0.5, None, None)
+    b = two_layer.attend(query, D**-0.5, None, None)
     assert (a - b).abs().max() < 1e-5
     if not read:  # exact: the dense softmax over every token
         logits = (query.view(B, H, G, D) @ keys.transpose(-1, -2)) * D**-0.5
@@ -68,9 +68,10 @@ def test_tier_bytes_crop_and_batch_ops_follow_the_tokens():
 def test_offload_checks_its_arguments_before_creating_the_tier():
     cache, layer, _, _ = _layer(False)
     st = layer.store
-    good = torch.ones(B, H, st.table.width() * st.page_size, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"keep must be a bool tensor of shape \(2, 2, "):
-        layer.offload_tokens(good[..., :-1], "disk")
+    view = layer.view_index()
+    good = torch.ones(B, H, T + 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"keep must be a bool tensor of shape \(2, 2, 61\)"):
+        layer.offload_tokens(view, good[..., :-1], "disk")
     with pytest.raises(ValueError, match="target must be one of cpu, disk, got 'gpu'"):
-        layer.offload_tokens(good, "gpu")
+        layer.offload_tokens(view, good, "gpu")
     assert not layer.tiers and int(st.tokens_per_shard().sum()) == B * H * (T + 1)

@@ -86,7 +86,7 @@ def test_ragged_runs_after_eviction_read_through_the_kernel(attention):
         layer.evict(layer.store.frame("valid") & keep.gather(2, frame_pos))
         assert not layer.store.table.uniform
         cache.update(k, v, 0)
-        outs[name] = layer.attend(query, d**-0.5, None, None, None)
+        outs[name] = layer.attend(query, d**-0.5, None, None)
         caches[name] = cache
     assert (outs["torch"] - outs["triton"]).abs().max() < 1e-5
     if attention == "exact":  # the dense softmax over the kept tokens and the new one

@@ -3,10 +3,12 @@
 The cache is a container of ``PiKVLayer`` objects (``layer.py``); per-layer policy lives in the layer. Data flow of
 one forward (see docs/ARCHITECTURE.md):
 
+0. The decoder's forward hook (``hf.py``) calls ``begin_forward``: the cache learns the left padding of the new
+   tokens and whether the forward runs the ``"pikv"`` attention, before any layer stores anything.
 1. ``PiKVCache.update(k, v, layer_idx)`` -> ``PiKVLayer.update``: placement router -> ``PagedStore.append`` ->
-   a ``PagedKV`` view (not tensors).
-2. transformers calls the registered ``"pikv"`` attention function (``hf.py``) with that view; it calls
-   ``PiKVLayer.attend``: read policy -> ``ReadPlan`` -> attention backend -> ``(o, lse)``.
+   a ``PagedKV`` handle (not tensors).
+2. transformers calls the registered ``"pikv"`` attention function (``hf.py``) with that handle; it calls
+   ``PiKVLayer.attend`` -> ``DecodeStep``: read policy -> ``ReadPlan`` -> attention backend -> ``(o, lse)``.
 """
 
 from __future__ import annotations
@@ -18,17 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache
 
 from pikv_hf.attention.triton_backend import make_backend
-from pikv_hf.checks import check_int_at_least
+from pikv_hf.checks import check_int_at_least, check_tensor
 from pikv_hf.config import ReadConfig
 from pikv_hf.distributed import ShardPlan, bind
-from pikv_hf.hf import attach, detach
-from pikv_hf.layer import PagedKV, PiKVLayer
-from pikv_hf.read import RoutingStats
+from pikv_hf.distributed.layer import PartitionedLayer
+from pikv_hf.hf import ForwardAwareCache, attach, detach
+from pikv_hf.layer import ForwardState, PagedKV, PiKVLayer
+from pikv_hf.read import ReadStats
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
 from pikv_hf.routing.expert import decoder_layers, num_experts_of
+from pikv_hf.static_layer import StaticPiKVLayer
 
 DEFAULT_DENSE_SHARDS = 8
 
@@ -53,15 +56,16 @@ def _expert_tap(model: nn.Module) -> ExpertTap:
     return tap
 
 
-class PiKVCache(Cache):
+class PiKVCache(ForwardAwareCache):
     """Expert-sharded paged KV cache; with no compression it reproduces ``DynamicCache`` exactly.
 
     Parameters
     ----------
     model : PreTrainedModel or PretrainedConfig
-        The model (preferred: the cache switches it to the ``"pikv"`` attention and, for ``router="expert"``,
-        installs the hooks that capture expert choices) or its config (then load the model with
-        ``attn_implementation="pikv"`` yourself).
+        The model (the cache attaches it: ``"pikv"`` attention and the forward hooks that hand the cache each
+        forward's padding; for ``router="expert"`` also the hooks that capture expert choices) or its config (a
+        cache on its own: call ``pikv_hf.attach(model)`` before running a model on it; without that it reads like a
+        ``DynamicCache``).
     router : str
         Placement router: ``"round_robin"`` (alias ``"hash"``), ``"expert"`` (the model's own MoE routing from
         the previous MoE layer) or ``"key_cluster"`` (online k-means on keys).
@@ -148,10 +152,18 @@ class PiKVCache(Cache):
         if is_model:
             attach(model)
         self.backend = backend
+        self._forward = ForwardState()
+        self._forwards: list[ForwardState] = []  # the states of forwards in progress (nested: kvpress passes)
         modules = [getattr(la, "self_attn", None) for la in decoder_layers(model)] if is_model else [None] * n_layers
         sliding = sliding_layers(text_config)
+        mode: dict[str, Any] = {}
+        layer_class: type[PiKVLayer] = PiKVLayer
+        if max_cache_len is not None:
+            layer_class, mode = StaticPiKVLayer, {"max_cache_len": max_cache_len}
+        elif placed is not None:
+            layer_class, mode = PartitionedLayer, {"partition": placed}
         layers = [
-            PiKVLayer(
+            layer_class(
                 i,
                 make_placement(router, num_shards, i, tap),
                 page_size,
@@ -161,8 +173,8 @@ class PiKVCache(Cache):
                 self.backend,
                 is_sliding=sliding[i],
                 attention_module=modules[i],
-                max_cache_len=max_cache_len,
-                partition=placed,
+                forward=self._forward,
+                **mode,
             )
             for i in range(n_layers)
         ]
@@ -176,10 +188,44 @@ class PiKVCache(Cache):
 
     def detach(self) -> None:
         """Give the model back the attention implementation it had before this cache attached it, so caches other
-        than PiKVCache see exactly the computation they would without pikv_hf (also on leaving a ``with`` block)."""
+        than PiKVCache see exactly the computation they would without pikv_hf (also on leaving a ``with`` block).
+        The stored tokens stay; :meth:`attach` makes the model read them with the ``"pikv"`` attention again."""
         model = None if self._model is None else self._model()
         if model is not None:
             detach(model)
+
+    def attach(self) -> None:
+        """Switch the model this cache was built on (back) to the ``"pikv"`` attention."""
+        model = None if self._model is None else self._model()
+        if model is None:
+            raise RuntimeError(
+                "this PiKVCache was built from a config (or its model is gone): call pikv_hf.attach(model)"
+            )
+        attach(model)
+
+    def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
+        """Called by the decoder's forward hook before the layers run: the padding among the ``new_tokens`` (the
+        last columns of the 2-D ``attention_mask``; left padding takes no slot) and whether the forward runs the
+        ``"pikv"`` attention (else ``update`` returns tensors)."""
+        present = None
+        if attention_mask is not None and attention_mask.dim() == 2 and new_tokens > 1:
+            mask = attention_mask[:, -new_tokens:].to(torch.bool)
+            if not bool(mask.all()):
+                present = mask
+        f = self._forward
+        self._forwards.append(ForwardState(f.active, f.pikv, f.present))
+        f.active, f.pikv, f.present = True, pikv, present
+
+    def end_forward(self) -> None:
+        outer = self._forwards.pop() if self._forwards else ForwardState()
+        f = self._forward
+        f.active, f.pikv, f.present = outer.active, outer.pikv, outer.present
+
+    def enable_stats(self) -> None:
+        """Track per-slot attention statistics in every layer from now on (presses that score from them turn this
+        on when they first see the cache)."""
+        for layer in self.layers:
+            layer.enable_stats()
 
     def __enter__(self) -> PiKVCache:
         return self
@@ -205,10 +251,40 @@ class PiKVCache(Cache):
         value_states: torch.Tensor,
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[PagedKV, PagedKV]:
+    ) -> tuple[PagedKV, PagedKV] | tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
+
+    def _rows(self, name: str, index: torch.Tensor) -> None:
+        """``IndexError`` unless ``index`` (a tensor of row indices) is in range for the cache's batch."""
+        check_tensor(name, index)
+        batch = next((la.store.batch for la in self.layers if la.store is not None), None)
+        if batch is None:
+            return
+        if index.dtype == torch.bool:
+            if index.dim() != 1 or index.numel() != batch:
+                raise IndexError(f"{name} as a mask must be 1-D bool of length {batch}, got {tuple(index.shape)}")
+            return
+        if index.is_floating_point() or index.dim() != 1:
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor of batch rows, got {index.dtype} {tuple(index.shape)}"
+            )
+        if index.numel() and not bool(((index >= -batch) & (index < batch)).all()):
+            raise IndexError(f"{name} must index batch rows in [0, {batch}), got {index.tolist()}")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows("beam_idx", beam_idx)
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows("indices", indices)
+        super().batch_select_indices(indices)
+
+    def crop(self, max_length: int) -> None:
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise TypeError(f"max_length must be an int (a position, negative: from the end), got {max_length!r}")
+        super().crop(max_length)
 
     def fork(self) -> PiKVCache:
         """An independent copy of everything stored (pages, router and selector state, statistics).
@@ -240,11 +316,13 @@ class PiKVCache(Cache):
         return torch.stack([layer.resident_tokens() for layer in self.layers])
 
     def routing_stats(self) -> dict:
-        """Sparse modes: per-layer and overall fraction of KV read, tokens per head and recall (if measured)."""
-        total = RoutingStats()
+        """Sparse modes: per-layer and overall fraction of KV read, tokens per head, which decode steps read
+        sparsely (``sparse_steps`` of ``steps``) and recall (if measured). The counters live on the device; this
+        reads them back."""
+        total = ReadStats()
         for layer in self.layers:
-            total.add(layer.routing_stats)
-        return {"overall": total.as_dict(), "per_layer": [layer.routing_stats.as_dict() for layer in self.layers]}
+            total = total.merged(layer.read_stats)
+        return {"overall": total.as_dict(), "per_layer": [layer.read_stats.as_dict() for layer in self.layers]}
 
     def kv_nbytes(self) -> int:
         """Bytes allocated for keys and values across layers (measured on the tensors held)."""

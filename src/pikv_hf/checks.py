@@ -34,3 +34,61 @@ def calling_press() -> str:
             name = type(owner).__name__
         frame = frame.f_back
     return name
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    dims: int | None = None,
+    dtype: object = None,
+    device: object = None,
+) -> None:
+    """Raise ``TypeError`` unless ``value`` is a tensor, ``ValueError`` unless it has ``dims`` dimensions, ``dtype``
+    and lies on ``device`` (each checked when given), naming ``name`` and the expected value."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dims is not None and value.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(value.shape)}")
+    if dtype is not None and value.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {value.dtype}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} must be on {device}, got {value.device}")
+
+
+def _matches(value: object, hint: object) -> bool:
+    """Whether ``value`` fits the type hint ``hint`` (unions, ``None``, containers by their origin; a ``float``
+    takes an ``int``; ``bool`` is not a number)."""
+    import types
+    import typing
+
+    if hint is typing.Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None) or hint is None:
+        return value is None
+    hint = origin or hint
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def check_field_types(obj: object) -> None:
+    """Raise ``TypeError`` naming the field when a dataclass field of ``obj`` holds a value of another type than it
+    declares (e.g. ``QuestPress(compression_ratio="0.5")``)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if not f.init or f.name not in hints:
+            continue
+        value = getattr(obj, f.name)
+        if not _matches(value, hints[f.name]):
+            expected = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+            raise TypeError(f"{type(obj).__name__}.{f.name} must be {expected}, got {type(value).__name__} {value!r}")

@@ -51,6 +51,9 @@ class ReadConfig:
     mass_target : float or None
         Routed: read only the shortest prefix of the ranked shards whose estimated share of the attention mass
         (``pikv_hf.routing.scores.estimated_mass``) reaches this value, in ``(0, 1]``; ``top_k_shards`` is a cap.
+    sparse_from : int
+        Routed / Quest: decode steps read every page until the layer has seen this many positions (below it a dense
+        read costs less than planning a sparse one; ``routing_stats`` counts ``sparse_steps``). 0: always sparse.
     measure_recall : bool
         Also run exact attention on every routed step and record the fraction of its mass the read tokens hold.
     reward_every : int
@@ -68,6 +71,7 @@ class ReadConfig:
     mass_target: float | None = field(
         default=None, metadata={"help": "routed: read ranked shards until this estimated attention mass"}
     )
+    sparse_from: int = field(default=0, metadata={"help": "routed / quest: dense decode reads below this context"})
     measure_recall: bool = False
     reward_every: int = 16
 
@@ -104,6 +108,7 @@ class ReadConfig:
         check_int_at_least("n_sink", self.n_sink, 0)
         check_int_at_least("window", self.window, 1)
         check_int_at_least("reward_every", self.reward_every, 1)
+        check_int_at_least("sparse_from", self.sparse_from, 0)
         most = num_layers if num_layers is not None else "the number of layers"
         if not isinstance(self.dense_layers, int) or not 0 <= self.dense_layers <= (num_layers or self.dense_layers):
             raise ValueError(f"dense_layers must be an integer in [0, {most}], got {self.dense_layers!r}")
@@ -133,7 +138,7 @@ class ReadConfig:
         return dataclasses.replace(self, top_k_shards=None, read_fraction=float(f))
 
     # ------------------------------------------------------------------ command line
-    CLI_FIELDS = ("selector", "n_sink", "window", "dense_layers", "mass_target")
+    CLI_FIELDS = ("selector", "n_sink", "window", "dense_layers", "mass_target", "sparse_from")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from pikv_hf.cache import PiKVCache
+from pikv_hf.store.tiers import LayerStores
+from pikv_hf.view import LayerViews
 
 _TABLE = ("start", "cap", "n_pages", "open_page", "open_fill")
 _STATS = ("sum", "sq", "count", "min", "max")
@@ -76,6 +78,8 @@ def _unflatten(values, structure: _Structure) -> PiKVCache:
         st.pool = copy.copy(st.pool)
         st.pool.fields = dict(st.pool.fields)
         st.table, st.stats = copy.copy(st.table), copy.copy(st.stats)
+        layer.stores = LayerStores(st)  # a compileable layer has no tiers
+        layer.views = LayerViews(layer)
         cache.layers.append(layer)
     for name, value in zip(structure.names, values, strict=True):
         index, *path = name.split(".")

@@ -1,22 +1,25 @@
-"""transformers glue: the ``"pikv"`` mask and attention functions, their registration, and ``attach``.
+"""transformers glue: the ``"pikv"`` mask and attention functions, the forward hooks, ``attach`` / ``detach``.
 
-With a ``PiKVCache`` the attention function receives the layer's ``PagedKV`` view instead of key/value tensors and
-the layer computes attention from its store, masking by stored positions and valid bits. With any other cache, or
-none, the call is handed over unchanged to the implementation the model used before ``attach`` (its own mask is
-built lazily from the mask arguments transformers passed), so attaching a PiKVCache never changes another
-computation.
+``attach(model)`` switches the model to the ``"pikv"`` attention and hooks its decoder: before every forward a cache
+derived from :class:`ForwardAwareCache` (``PiKVCache``) learns whether this forward runs the ``"pikv"`` attention
+and which new tokens are left padding (from the 2-D ``attention_mask``), before any layer stores anything, so padding
+takes no slot and no budget. With such a cache the attention function receives the layer's ``PagedKV`` handle and
+the layer attends from its store, masking by stored positions (the mask function returns None there). With any
+other cache, or none, mask and attention are the implementation's the model had before ``attach``, so attaching
+never changes another computation.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -24,39 +27,27 @@ from pikv_hf.constants import ATTN_IMPLEMENTATION
 from pikv_hf.layer import PagedKV
 
 PREVIOUS_ATTR = "_pikv_previous_attn_implementation"
+HOOKS_ATTR = "_pikv_forward_hooks"
 DEFAULT_PREVIOUS = "sdpa"
 
 
-@dataclass
-class PiKVMask:
-    """What the ``pikv`` mask function hands to the attention function.
+class ForwardAwareCache(Cache):
+    """A cache the decoder's forward hooks tell, before the layers run, what the forward brings (``begin_forward``)
+    and that it ended (``end_forward``)."""
 
-    Attributes
-    ----------
-    padding : torch.Tensor or None
-        ``[B, T]`` bool, False for padding tokens, over all ``T`` tokens seen so far including the current ones
-        (the 2-D ``attention_mask`` of ``generate``); None when the caller gave no mask.
-    build_previous : callable
-        Builds the mask the previous attention implementation expects (called only when the call is handed over).
-    """
+    def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
+        raise NotImplementedError
 
-    padding: torch.Tensor | None
-    build_previous: Callable[[], Any] = field(repr=False, default=lambda: None)
+    def end_forward(self) -> None:
+        raise NotImplementedError
+
+
+_PIKV_FORWARDS: list[bool] = []  # per forward in progress (nested ones too): does it read a PiKVCache via "pikv"?
 
 
 def previous_implementation(config) -> str:
     """The attention implementation a model used before ``attach`` (``"sdpa"`` if it was loaded as ``"pikv"``)."""
     return getattr(config, PREVIOUS_ATTR, DEFAULT_PREVIOUS)
-
-
-def _caller_cache(depth: int = 2):
-    """The ``past_key_values`` of transformers' mask builder that called the mask function (``create_causal_mask``
-    and its sliding / chunked siblings take it as an argument; the mask interface does not receive it)."""
-    frame = sys._getframe(depth)
-    return frame.f_locals.get("past_key_values", _UNKNOWN) if frame is not None else _UNKNOWN
-
-
-_UNKNOWN = object()
 
 
 def pikv_mask(
@@ -67,30 +58,21 @@ def pikv_mask(
     attention_mask: torch.Tensor | None = None,
     config=None,
     **kwargs,
-) -> PiKVMask | Any:
-    """Mask function registered under ``"pikv"``. For a ``PiKVCache`` it keeps only the padding (the cache masks by
-    stored positions); for any other cache, or none, it returns the previous implementation's own mask."""
-    from pikv_hf.cache import PiKVCache
-
-    previous = previous_implementation(config)
-
-    def build_previous():
-        fn = ALL_MASK_ATTENTION_FUNCTIONS[previous]
-        return fn(
-            batch_size=batch_size,
-            cache_position=cache_position,
-            kv_length=kv_length,
-            kv_offset=kv_offset,
-            attention_mask=attention_mask,
-            config=config,
-            **kwargs,
-        )
-
-    cache = _UNKNOWN if torch.compiler.is_compiling() else _caller_cache()
-    if cache is not _UNKNOWN and not isinstance(cache, PiKVCache):
-        return build_previous()
-    padding = None if attention_mask is None else attention_mask.to(torch.bool)
-    return PiKVMask(padding=padding, build_previous=build_previous)
+) -> Any:
+    """Mask function registered under ``"pikv"``. Inside a forward that reads a PiKVCache it returns None: the cache
+    masks by stored positions and learned the padding from the forward hook. Anywhere else (another cache, no cache,
+    ``generate`` preparing a mask ahead of a forward) it returns the previous implementation's mask."""
+    if _PIKV_FORWARDS and _PIKV_FORWARDS[-1]:
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[previous_implementation(config)](
+        batch_size=batch_size,
+        cache_position=cache_position,
+        kv_length=kv_length,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        config=config,
+        **kwargs,
+    )
 
 
 def previous_attention(module: nn.Module, name: str) -> Callable:
@@ -100,16 +82,16 @@ def previous_attention(module: nn.Module, name: str) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def wants_attention_weights(module: nn.Module) -> bool:
-    """Whether the caller expects attention probabilities back: the model was on the eager implementation (whose
-    consumers, e.g. kvpress's ObservedAttentionPress, read them) or ``output_attentions`` is being collected."""
-    if previous_implementation(module.config) == "eager":
-        return True
-    if torch.compiler.is_compiling():  # the collector is a ContextVar, which dynamo does not trace
-        return False
-    from transformers.utils.output_capturing import _active_collector
+def wants_attention_weights(module: nn.Module, new_tokens: int) -> bool:
+    """Whether the caller expects attention probabilities back: ``output_attentions`` is being collected, or the
+    model was on the eager implementation and this is a prefill (kvpress's ObservedAttentionPress reads them from the
+    layer's output). A decode step computes none unless they are collected."""
+    if not torch.compiler.is_compiling():  # the collector is a ContextVar, which dynamo does not trace
+        from transformers.utils.output_capturing import _active_collector
 
-    return "attentions" in (_active_collector.get() or {})
+        if "attentions" in (_active_collector.get() or {}):
+            return True
+    return new_tokens > 1 and previous_implementation(module.config) == "eager"
 
 
 def pikv_attention(
@@ -117,7 +99,7 @@ def pikv_attention(
     query: torch.Tensor,
     key,
     value,
-    attention_mask: PiKVMask | torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
@@ -126,25 +108,24 @@ def pikv_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention function registered under ``"pikv"`` (signature of transformers' attention interface).
 
-    Without a ``PiKVCache`` the call goes unchanged to the implementation the model had before ``attach``. With one,
-    the layer attends from its store; a custom 4-D ``attention_mask`` (which indexes the positions of a contiguous
-    cache) is honoured by running the previous implementation over the layer's position-ordered view, as long as
-    nothing was evicted.
+    Without a ``PagedKV`` (another cache, or none) the call goes unchanged to the implementation the model had
+    before ``attach``. With one, the layer attends from its store; a custom 4-D ``attention_mask`` (which indexes the
+    positions of a contiguous cache) is honoured by running the previous implementation over the layer's
+    position-ordered view, as long as nothing was evicted.
     """
     fn = previous_attention(module, previous_implementation(module.config))
     extra = {"sliding_window": sliding_window} if sliding_window is not None else {}
     if s_aux is not None:
         extra["s_aux"] = s_aux
     if not isinstance(key, PagedKV):
-        mask = attention_mask.build_previous() if isinstance(attention_mask, PiKVMask) else attention_mask
-        return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
+        return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
     layer = key.layer
     if isinstance(attention_mask, torch.Tensor):
         view = layer.view()
         if not view.contiguous:
             raise ValueError(
                 f"layer {layer.layer_idx}: a custom 4-D attention_mask indexes the positions of a contiguous cache, "
-                "but this PiKVCache has evicted tokens; pass a 2-D padding mask (or none) instead"
+                "but this PiKVCache has evicted tokens or padding; pass a 2-D padding mask (or none) instead"
             )
         return fn(
             module, query, view.keys, view.values, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs
@@ -156,10 +137,9 @@ def pikv_attention(
     if getattr(module, "masked_key_indices", None) is not None:
         module.masked_key_indices = None  # kvpress's patch just handed them to PagedKV.__setitem__: evicted
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    padding = attention_mask.padding if isinstance(attention_mask, PiKVMask) else None
-    out = layer.attend(query, scale, padding, sliding_window, s_aux)
+    out = layer.attend(query, scale, sliding_window, s_aux)
     weights = None
-    if layer.partition is None and wants_attention_weights(module):  # a partitioned layer has no dense view
+    if layer.has_view and wants_attention_weights(module, query.shape[2]):  # partitions have no dense view
         weights = layer.attention_weights(query, scale, sliding_window, s_aux)
     return out, weights
 
@@ -174,9 +154,71 @@ def _configs(model: nn.Module) -> list:
     return list({id(c): c for c in (model.config, model.config.get_text_config())}.values())
 
 
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module whose forward takes ``attention_mask`` and ``past_key_values`` and runs the decoder layers."""
+    return getattr(model, "base_model", model)
+
+
+def _padding_of_prepared_mask(mask: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    """``[B, q]`` bool, False for padding, read off a 4-D mask ``generate`` prepared for a compileable cache: the
+    diagonal entry (a new token's own position) is masked only for padding."""
+    own = mask[:, 0, torch.arange(cache_position.shape[0], device=mask.device), cache_position.to(mask.device)]
+    return own if own.dtype == torch.bool else own == 0
+
+
+def _forward_hooks(decoder: nn.Module) -> tuple:
+    names = list(inspect.signature(decoder.forward).parameters)  # read here, not in the hooks (compiled code)
+
+    def argument(name: str, args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        at = names.index(name) if name in names else len(args)
+        return args[at] if at < len(args) else None
+
+    def before(module: nn.Module, args: tuple, kwargs: dict):
+        cache = argument("past_key_values", args, kwargs)
+        if not isinstance(cache, ForwardAwareCache):
+            _PIKV_FORWARDS.append(False)
+            return None
+        pikv = getattr(module.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
+        tokens = argument("input_ids", args, kwargs)
+        tokens = argument("inputs_embeds", args, kwargs) if tokens is None else tokens
+        mask = argument("attention_mask", args, kwargs)
+        replaced = None
+        if pikv and isinstance(mask, torch.Tensor) and mask.dim() == 4 and cache.is_compileable:
+            # generate prepares a 4-D mask ahead of the forward for compileable caches: the cache masks by stored
+            # positions, so only the padding is kept and the forward runs without that mask
+            cache_position = argument("cache_position", args, kwargs)
+            mask = _padding_of_prepared_mask(mask, cache_position) if tokens.shape[1] > 1 else None
+            if "attention_mask" in kwargs:
+                replaced = (args, {**kwargs, "attention_mask": None})
+            else:
+                at = names.index("attention_mask")
+                replaced = ((*args[:at], None, *args[at + 1 :]), kwargs)
+        cache.begin_forward(mask, tokens.shape[1], pikv)
+        _PIKV_FORWARDS.append(pikv)
+        return replaced
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _PIKV_FORWARDS:
+            _PIKV_FORWARDS.pop()
+        cache = argument("past_key_values", args, kwargs)
+        if isinstance(cache, ForwardAwareCache):
+            cache.end_forward()
+
+    return (
+        decoder.register_forward_pre_hook(before, with_kwargs=True),
+        decoder.register_forward_hook(after, with_kwargs=True, always_call=True),
+    )
+
+
 def attach(model: nn.Module) -> None:
-    """Switch ``model`` to the ``"pikv"`` attention implementation, remembering the one it had."""
+    """Switch ``model`` to the ``"pikv"`` attention implementation, remembering the one it had, and install the
+    forward hooks that tell a ``PiKVCache`` about each forward (once per model)."""
     register()
+    decoder = _decoder(model)
+    if getattr(decoder, HOOKS_ATTR, None) is None:
+        setattr(decoder, HOOKS_ATTR, _forward_hooks(decoder))
     current = getattr(model.config, "_attn_implementation", None)
     if current != ATTN_IMPLEMENTATION:
         for config in _configs(model):
@@ -185,7 +227,8 @@ def attach(model: nn.Module) -> None:
 
 
 def detach(model: nn.Module) -> None:
-    """Give ``model`` back the attention implementation it had before :func:`attach` (no-op if not attached)."""
+    """Give ``model`` back the attention implementation it had before :func:`attach` (no-op if not attached); the
+    forward hooks stay (a PiKVCache then hands the model dense tensors, or refuses if it evicted tokens)."""
     if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return
     previous = previous_implementation(model.config)

@@ -1,25 +1,32 @@
-"""Dense, position-ordered views of a layer's store, and how an assignment to them maps back to stored slots.
+"""Dense, position-ordered views of a layer's stores, and what assigning to them means.
 
 Code written for ``DynamicCache`` reads ``cache.layers[i].keys`` / ``.values`` as ``[B, H, T, D]`` tensors in position
 order and writes back what it keeps: kvpress presses assign ``keys.gather(2, kept)``, kvpress's pipeline assigns
 ``keys[:, :, :n]``. A ``PiKVLayer`` serves those reads with a :class:`DenseView` (a copy: every stored token of every
-(row, KV head), sorted by position, padded at the end with zeros where a row holds fewer tokens) and interprets the
-assignment of a tensor as one of:
+(row, KV head), sorted by position, padded at the end with zeros where a row holds fewer tokens) and
+:class:`LayerViews` interprets the assignment of a tensor as one of:
 
 * the view itself (or the tensor it was given earlier): nothing to do;
 * a prefix slice ``view[:, :, :n]`` of it: keep the positions below ``n`` (``crop(n)``: ``get_seq_length`` counts
   positions, so a length read from it is a position);
-* a gather of its rows: keep exactly those tokens, per (row, head) (rows are matched bit for bit, so a press that
-  rewrites keys or values is told so instead of silently storing something else).
+* a gather of its rows: keep exactly those tokens, per (row, head) (rows are matched bit for bit);
+* anything else (keys re-rotated, tokens merged): the layer is re-packed from the assigned tensors (``rewrite``).
+
+Keys and values are applied together, once both arrived (or at the next access), so a rejected pair changes nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from pikv_hf.checks import calling_press
 from pikv_hf.store import PagedStore
+
+if TYPE_CHECKING:
+    from pikv_hf.layer import PiKVLayer
 
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -30,50 +37,59 @@ class DenseView:
 
     Attributes
     ----------
-    keys, values : torch.Tensor
-        ``[B, H, T, Dk]`` and ``[B, H, T, Dv]``; ``T`` is the most tokens any (row, head) stores.
+    keys, values : torch.Tensor or None
+        ``[B, H, T, Dk]`` and ``[B, H, T, Dv]``; ``T`` is the most tokens any (row, head) stores (None in an
+        index-only view).
     frame_index : torch.Tensor
-        ``[B, H, T]`` int64 index of each entry in the store's frame (``-1`` for padding entries).
+        ``[B, H, T]`` int64 index of each entry in the stores' frames (``-1`` for padding entries).
     pos : torch.Tensor
         ``[B, H, T]`` int64 sequence position of each entry (``-1`` for padding entries).
     valid : torch.Tensor
-        ``[B, H, T]`` bool, False for stored padding tokens and padding entries.
+        ``[B, H, T]`` bool, False for padding entries.
+    row_start : torch.Tensor
+        ``[B]`` int64 position of each row's first real token (left padding takes positions, not slots).
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
     frame_index: torch.Tensor
     pos: torch.Tensor
     valid: torch.Tensor
+    row_start: torch.Tensor
+
+    @property
+    def rel_pos(self) -> torch.Tensor:
+        """``[B, H, T]`` position of each entry counted from its row's first real token (``-1`` for padding
+        entries): what a press ranks by, so a row of a left-padded batch scores as it would alone."""
+        return torch.where(self.valid, self.pos - self.row_start.view(-1, 1, 1), -1)
+
+    @property
+    def count(self) -> torch.Tensor:
+        """``[B, H]`` tokens of each (row, head)."""
+        return self.valid.sum(-1)
 
     @property
     def contiguous(self) -> bool:
-        """Whether entry ``j`` of every (row, head) is position ``j`` (nothing evicted or dropped)."""
+        """Whether entry ``j`` of every (row, head) is position ``j`` (nothing evicted, no padding)."""
         return bool((self.pos == torch.arange(self.pos.shape[-1], device=self.pos.device)).all())
 
 
-def dense_view(store: PagedStore, *tiers: PagedStore, with_kv: bool = True) -> DenseView:
-    """Every occupied slot of ``store`` (valid tokens and stored padding), per (row, head), in position order
-    (``with_kv=False``: only the index tensors, keys and values left None).
-
-    With ``tiers`` (a layer's cold stores) the view covers them too, their tokens decoded and brought to the store's
-    device; its ``frame_index`` then indexes the store's frame followed by each tier's.
-    """
-    stores = (store, *tiers)
+def dense_view(stores: list[PagedStore], row_start: torch.Tensor, with_kv: bool = True) -> DenseView:
+    """Every valid slot of ``stores`` (a layer's hot store, then its tiers), per (row, head), in position order
+    (``with_kv=False``: only the index tensors, keys and values left None). Tiers' tokens are decoded and brought
+    to the hot store's device; ``frame_index`` indexes the hot store's frame followed by each tier's."""
+    store = stores[0]
+    valid = torch.cat([s.frame("valid").to(store.device) for s in stores], -1)
     pos = torch.cat([s.frame("pos").to(store.device) for s in stores], -1).to(torch.int64)
-    occupied = pos >= 0
-    order = torch.where(occupied, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
-    n = occupied.sum(-1)
+    order = torch.where(valid, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+    n = valid.sum(-1)
     length = int(n.max()) if n.numel() else 0
     order = order[..., :length]
     ok = torch.arange(length, device=pos.device) < n.unsqueeze(-1)
     keys = values = None
     if with_kv:
-        if tiers:
-            decoded = [s.frame_kv() for s in stores]
-            keys, values = (torch.cat([d[i].to(store.device, store.dtype) for d in decoded], 2) for i in (0, 1))
-        else:
-            keys, values = store.frame_kv()
+        decoded = [s.frame_kv() for s in stores]
+        keys, values = (torch.cat([d[i].to(store.device, store.dtype) for d in decoded], 2) for i in (0, 1))
 
         def take(t: torch.Tensor) -> torch.Tensor:
             out = t.gather(2, order.unsqueeze(-1).expand(*order.shape, t.shape[-1]))
@@ -85,8 +101,23 @@ def dense_view(store: PagedStore, *tiers: PagedStore, with_kv: bool = True) -> D
         values=values,
         frame_index=torch.where(ok, order, -1),
         pos=torch.where(ok, pos.gather(2, order), -1),
-        valid=torch.cat([s.frame("valid").to(store.device) for s in stores], -1).gather(2, order) & ok,
+        valid=ok,
+        row_start=row_start,
     )
+
+
+def positional_kv(view: DenseView, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, length, D]`` keys and values with every stored token at its own position and zeros elsewhere (left
+    padding): what an attention implementation that masks by position (with the model's own 2-D padding mask)
+    reads correctly as long as nothing was evicted."""
+    b, h, _, dk = view.keys.shape
+    at = view.pos.clamp(min=0).unsqueeze(-1)
+    out = []
+    for t in (view.keys, view.values):
+        full = t.new_zeros(b, h, length, t.shape[-1])
+        out.append(full.scatter_(2, at.expand(*at.shape[:3], t.shape[-1]), t * view.valid.unsqueeze(-1)))
+    del dk
+    return out[0], out[1]
 
 
 def prefix_length(new: torch.Tensor, given: torch.Tensor) -> int | None:
@@ -118,3 +149,152 @@ def match_rows(given: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:
     index = order.gather(2, at)
     picked = given.gather(2, index.unsqueeze(-1).expand_as(new))
     return index if torch.equal(picked, new) else None
+
+
+def _is_gather(given: torch.Tensor, index: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``new`` is ``given`` gathered at ``index`` (``[B, H, n]``) along the token axis."""
+    if new.shape[:3] != index.shape or new.shape[3] != given.shape[3] or new.dtype != given.dtype:
+        return False
+    return torch.equal(given.gather(2, index.unsqueeze(-1).expand_as(new)), new)
+
+
+class LayerViews:
+    """The dense view of one layer (taken once per write of the layer, kept until the next write, so keys and values
+    come from one snapshot) and the interpretation of assignments to it."""
+
+    def __init__(self, layer: PiKVLayer) -> None:
+        self.layer = layer
+        self._view: DenseView | None = None
+        self._pending: dict[str, tuple] = {}  # assignments to keys / values waiting for their partner
+
+    def touch(self) -> None:
+        """Mark a write: the view taken before it no longer describes the store (its index tensors are kept:
+        kvpress's later key masks refer to them)."""
+        v = self._view
+        if v is not None and v.keys is not None:
+            self._view = DenseView(None, None, v.frame_index, v.pos, v.valid, v.row_start)
+
+    def reset(self) -> None:
+        self._view = None
+        self._pending.clear()
+
+    @property
+    def latest(self) -> DenseView | None:
+        """The latest view taken (its keys and values dropped after a write)."""
+        return self._view
+
+    def snapshot(self) -> DenseView:
+        """The view with keys and values (taken now unless the latest is still current)."""
+        v = self._view
+        if v is None or v.keys is None:
+            self._view = v = dense_view(self.layer.stores.all(), self.layer.row_start)
+        return v
+
+    def index(self) -> DenseView:
+        """The hot store's view index tensors alone (keys and values None), without copying keys and values."""
+        v = self._view
+        if v is not None and v.keys is not None and not self.layer.stores.tiers:
+            return v
+        return dense_view([self.layer.store], self.layer.row_start, with_kv=False)
+
+    def assign(self, kind: str, new: torch.Tensor | None) -> None:
+        """Interpret an assignment to ``keys`` / ``values``; applied once its partner arrives (or at the next
+        access), after both were checked, so a rejected pair changes nothing."""
+        layer = self.layer
+        if layer.store is None:
+            if new is None:
+                return
+            raise ValueError(f"layer {layer.layer_idx}: cannot assign {kind} to an empty PiKVCache layer (use update)")
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"layer {layer.layer_idx}: {kind} must be a tensor; use reset() to empty the layer")
+        v = self.snapshot()  # the view the partner assignment (if pending) refers to
+        given = v.keys if kind == "keys" else v.values
+        other = "values" if kind == "keys" else "keys"
+        partner = self._pending.pop(other, None)
+        if new is given:
+            action: tuple = ("same",)
+        elif (n := prefix_length(new, given)) is not None:
+            action = ("crop", n)
+        elif partner is not None and partner[0] == "keep" and _is_gather(given, partner[1], new):
+            action = partner  # values repeat rows (no position in them): check them against the keys' selection
+        elif (index := match_rows(given, new)) is not None:
+            action = ("keep", index)
+        else:
+            action = ("rewrite", new)
+        if partner is None:
+            self._pending[kind] = action
+            return
+        self._apply(*((action, partner) if kind == "keys" else (partner, action)))
+
+    def flush(self) -> None:
+        """Apply an assignment whose partner never came (only keys, or only values, were set): a selection or crop
+        of one side applies to both; a rewrite of one side keeps the other."""
+        if self._pending:
+            ((kind, action),) = self._pending.items()
+            self._pending.clear()
+            other = action if action[0] != "rewrite" else ("same",)
+            self._apply(*((action, other) if kind == "keys" else (other, action)))
+
+    def _apply(self, keys_action: tuple, values_action: tuple) -> None:
+        layer, v = self.layer, self._view
+        if keys_action[0] == "rewrite":  # re-rotated or merged keys: they carry positions of their own
+            layer.rewrite(keys_action[1], _resolve(values_action, v.values))
+        elif values_action[0] == "rewrite":  # new values (merged) for the tokens the keys name
+            self._refuse_tiers("a rewrite of the values")
+            layer.write_values(v, _entries(keys_action, v), values_action[1])
+            self._select(keys_action, v)
+        elif not _same(keys_action, values_action):
+            raise ValueError(
+                f"{calling_press()}: layer {layer.layer_idx} was given keys and values that select different tokens"
+            )
+        else:
+            self._select(keys_action, v)
+        module = layer.attention_module()
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:  # a head-wise press (AdaKV, DuoAttention, ...) marked tokens in the view it scored
+            layer.evict_view_entries(*masked, view=v)
+            module.masked_key_indices = None
+
+    def _select(self, action: tuple, v: DenseView) -> None:
+        """Apply a crop or a selection of the view's entries."""
+        layer = self.layer
+        if action[0] == "crop":
+            layer.crop(action[1])
+        elif action[0] == "keep":
+            self._refuse_tiers("a selection of its view")
+            index = v.frame_index.gather(2, action[1])
+            layer.evict(layer.frame_mask(index, index >= 0))
+
+    def _refuse_tiers(self, what: str) -> None:
+        layer = self.layer
+        if layer.stores.tiers:
+            raise ValueError(
+                f"{calling_press()}: layer {layer.layer_idx} holds tokens in tiers ({', '.join(layer.stores.tiers)}); "
+                f"{what} can only crop positions there: run eviction presses before compression"
+            )
+
+
+def _entries(action: tuple, v: DenseView) -> torch.Tensor:
+    """``[B, H, n]`` the view entries an interpreted assignment of keys names, in its order."""
+    if action[0] == "keep":
+        return action[1]
+    n = action[1] if action[0] == "crop" else v.pos.shape[-1]
+    return torch.arange(n, device=v.pos.device).expand(*v.pos.shape[:2], n)
+
+
+def _resolve(action: tuple, given: torch.Tensor) -> torch.Tensor:
+    """The tensor an interpreted assignment of ``given`` stands for."""
+    if action[0] == "rewrite":
+        return action[1]
+    if action[0] == "crop":
+        return given[:, :, : action[1]]
+    if action[0] == "keep":
+        return given.gather(2, action[1].unsqueeze(-1).expand(*action[1].shape, given.shape[-1]))
+    return given
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Whether two interpreted assignments (``("same",)``, ``("crop", n)``, ``("keep", index)``) agree."""
+    if a[0] != b[0]:
+        return False
+    return a[0] == "same" or (a[1] == b[1] if a[0] == "crop" else torch.equal(a[1], b[1]))

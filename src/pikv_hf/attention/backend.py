@@ -1,8 +1,11 @@
 """Attention backends: ``(query, store, plan) -> Partial(o, lse)``, the seam between read policies and kernels.
 
 ``TorchBackend`` is the reference that runs everywhere: an exact read of uniform runs uses the pool's fields as
-``[B, H, C, ...]`` views (no copy); any other plan gathers the planned pages into a scratch workspace and runs
-:func:`masked_attention` on them. A fused kernel that reads pages in place implements the same ``attend``.
+``[B, H, C, ...]`` views (no copy); any other plan gathers the planned pages into a scratch workspace. The slots a
+query may read come from what every slot stores (``valid``, ``pos``) and the plan (:func:`readable`). A decode token
+on the CPU goes through PyTorch's fused flash-attention kernel with that mask (one call: the query heads of a KV head
+are its rows, GQA without copying keys); prefill chunks, attention mass, shard groups and keys and values of different
+head dims take :func:`masked_attention`. A fused kernel that reads pages in place implements the same ``attend``.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pikv_hf.attention.merge import merge_partials, sink_partial
 from pikv_hf.attention.reference import allowed_mask, masked_attention
 from pikv_hf.read.plan import ReadPlan, sink_or_recent
 from pikv_hf.store import PagedStore
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass
@@ -42,6 +48,48 @@ def _stream_key(device: torch.device) -> int | None:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
+def readable(ok: torch.Tensor, pos: torch.Tensor, plan: ReadPlan, qpos: torch.Tensor, p: int) -> torch.Tensor:
+    """``ok`` (``[B, H, n * P]`` valid slots of the planned pages) restricted by the plan: slots of pages that are
+    not read in full count only as sink or recent-window tokens."""
+    if plan.page_full is None:
+        return ok
+    recent = sink_or_recent(pos, qpos[-1:], plan.n_sink, plan.window, plan.row_start)
+    return ok & (plan.page_full.repeat_interleave(p, dim=-1) | recent)
+
+
+def trimmed(plan: ReadPlan) -> ReadPlan:
+    """``plan`` without the ``-1`` padding after its last used entry (its pages come first in every row). On the CPU
+    only, outside compiled code: it reads the count back, which costs nothing there and saves the gather of padding;
+    on an accelerator the plan keeps its fixed width (the fused kernel skips padding itself)."""
+    if plan.exact or plan.pages.device.type != "cpu" or torch.compiler.is_compiling():
+        return plan
+    used = int((plan.pages >= 0).sum(-1).max()) if plan.pages.numel() else 0
+    if used == plan.pages.shape[-1]:
+        return plan
+    full = None if plan.page_full is None else plan.page_full[..., :used]
+    return ReadPlan(plan.pages[..., :used], full, plan.n_sink, plan.window, plan.row_start)
+
+
+def fused_decode(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token (``query`` ``[B, Hq, 1, D]``) over ``[B, H, C, D]`` keys / values where ``allowed``
+    (``[B, H, C]``) through the CPU flash kernel: ``o [B, Hq, 1, D]`` float32 and ``lse [B, Hq, 1]`` (``-inf`` and
+    zeros for rows with no readable slot)."""
+    b, hq, _, d = query.shape
+    h = keys.shape[1]
+    qg = query.reshape(b, h, hq // h, d).to(keys.dtype)  # query heads of a KV head as its rows
+    mask = torch.zeros(allowed.shape, dtype=keys.dtype, device=keys.device).masked_fill_(~allowed, float("-inf"))
+    o, lse = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=mask.unsqueeze(2), scale=scale)
+    empty = ~allowed.any(-1, keepdim=True)  # [B, H, 1]: the kernel returns lse 0 there
+    lse = lse.float().masked_fill(empty, float("-inf"))
+    return o.float().reshape(b, hq, 1, -1), lse.reshape(b, hq, 1)
+
+
 class TorchBackend:
     """Gather + masked attention in torch ops; the reference every other backend is tested against.
 
@@ -65,6 +113,25 @@ class TorchBackend:
             buf = self._workspace[key] = field.new_empty(need)
         return store.pool.gather(name, pages, out=buf[:need])
 
+    def read_fields(
+        self, store: PagedStore, plan: ReadPlan, names: tuple[str, ...]
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """The fields ``names`` of the slots ``plan`` reads as ``[B, H, C, ...]`` (views of the pool for an exact
+        read of uniform runs, a gather otherwise), the global page id of each planned page (``[B, H, n]``, ``-1``:
+        none; the whole frame for an exact read) and ``[B, H, C]`` bool, True for slots of real pages (None: all)."""
+        b, h, p, t = store.batch, store.heads, store.page_size, store.table
+        if plan.exact and t.uniform:
+            return {n: store.frame(n) for n in names}, t.pages(), None
+        pages = t.pages(plan.pages)
+        flat = pages.clamp(min=0).reshape(-1)
+        n = pages.shape[-1]
+        specs = store.pool.specs
+        fields = {
+            name: self._gather(store, name, flat).view(b, h, n if specs[name].per_page else n * p, *specs[name].shape)
+            for name in names
+        }
+        return fields, pages, (pages >= 0).repeat_interleave(p, dim=-1)
+
     def attend(
         self,
         query: torch.Tensor,
@@ -83,42 +150,39 @@ class TorchBackend:
         ``groups > 1`` computes one partial per shard group (shard ``s`` in group ``s * groups // S``) and merges
         them exactly, as shards on several devices would be.
         """
-        b, h, p = store.batch, store.heads, store.page_size
-        t = store.table
-        if plan.exact and t.uniform:
-            fields = {n: store.frame(n) for n in (*store.kv_fields, "pos", "valid")}
-            ok = fields["valid"]
-            shard = store.frame("shard").repeat_interleave(p, dim=-1) if groups > 1 else None
-            slots = store.frame_slots() if want_mass else None
-        else:
-            local = plan.pages
-            if local is None:
-                local = torch.arange(t.width(), device=store.device).expand(b, h, -1)
-            pages = t.pages(local)
-            flat = pages.clamp(min=0).reshape(-1)
-            n = local.shape[-1]
-            specs = store.pool.specs
-            fields = {
-                name: self._gather(store, name, flat).view(
-                    b, h, n if specs[name].per_page else n * p, *specs[name].shape
-                )
-                for name in (*store.kv_fields, "pos", "valid")
-            }
-            page_ok = (pages >= 0).repeat_interleave(p, dim=-1)
-            ok = fields["valid"] & page_ok
-            if plan.page_full is not None:
-                recent = sink_or_recent(fields["pos"], int(qpos[-1]), plan.n_sink, plan.window, plan.row_start)
-                ok = ok & (plan.page_full.repeat_interleave(p, dim=-1) | recent)
-            shard = store.pool["shard"][flat].view(b, h, n).repeat_interleave(p, dim=-1) if groups > 1 else None
-            slots = None
-            if want_mass:
-                slots = (pages.unsqueeze(-1) * p + torch.arange(p, device=store.device)).view(b, h, n * p)
-                slots = torch.where(page_ok, slots, -1)
+        p = store.page_size
+        plan = trimmed(plan)
+        fields, pages, page_ok = self.read_fields(store, plan, (*store.kv_fields, "pos", "valid"))
+        ok = fields["valid"] if page_ok is None else fields["valid"] & page_ok
+        ok = readable(ok, fields["pos"], plan, qpos, p)
         keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
-        group = None if shard is None else shard.clamp(min=0) * groups // store.num_shards
+        q = query.shape[2]
+        fused = (
+            _FLASH_CPU is not None
+            and q == 1
+            and not want_mass
+            and groups == 1
+            and keys.device.type == "cpu"
+            and keys.shape[-1] == values.shape[-1]
+            and keys.shape[2] > 0
+        )
+        if fused:
+            allowed = allowed_mask(ok, fields["pos"], qpos, sliding_window)[:, :, 0]
+            o, lse = fused_decode(query, keys, values, allowed, scale)
+            if sinks is not None:
+                o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
+            return Partial(o, lse, attended=allowed.sum(-1) if count else None)
+        shard = None
+        if groups > 1:
+            shard = store.pool["shard"][pages.clamp(min=0)].repeat_interleave(p, dim=-1).long().clamp(min=0)
+        group = None if shard is None else shard * groups // store.num_shards
         o, lse, mass = masked_attention(
             query, keys, values, ok, fields["pos"], qpos, scale, sliding_window, sinks, group, groups, want_mass
         )
+        slots = None
+        if want_mass:
+            slots = pages.unsqueeze(-1) * p + torch.arange(p, device=store.device)
+            slots = slots.flatten(2) if page_ok is None else torch.where(page_ok, slots.flatten(2), -1)
         attended = None
         if want_mass or count:
             attended = allowed_mask(ok, fields["pos"], qpos[-1:], sliding_window)[:, :, 0].sum(-1)

@@ -1,4 +1,4 @@
-"""A layer's KV split over the partitions of a ``ShardPlan``, and its attention: partials per partition, exact merge.
+"""A layer's KV split over the partitions of a ``ShardPlan``: the partitioned store and the binding of a plan.
 
 Replicated compute, sharded KV (decode context parallelism). Every rank runs the same model on the same inputs, so
 every rank's layer sees every new key at ``update`` and places it with the same deterministic router; each
@@ -7,8 +7,9 @@ statistics of *all* shards are kept next to them (``PartitionedStore.stats``, up
 would), so routed selection is global and identical everywhere and each partition reads only its selected shards.
 At every attention call (prefill chunks included) each local partition computes the partial ``(o, lse)`` of all
 query rows over its tokens, on its own device; the partials are merged exactly by log-sum-exp, first in this
-process, then across ranks after an all-gather, and attention sinks (GPT-OSS) join once, after the merge. Only
-queries and partials move: the query to each partition's device, ``[B, Hq, q, Dv + 1]`` floats between ranks.
+process, then across ranks after an all-gather, and attention sinks (GPT-OSS) join once, after the merge
+(``pikv_hf.step.DecodeStep``, the path of every layer; ``layer.py`` here). Only queries and partials move: the query
+to each partition's device, ``[B, Hq, q, Dv + 1]`` floats between ranks.
 """
 
 from __future__ import annotations
@@ -16,30 +17,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig
 
-from pikv_hf.attention import Partial, merge_partials, sink_partial
 from pikv_hf.config import ReadConfig
 from pikv_hf.distributed.comm import Communicator
 from pikv_hf.distributed.plan import ShardPlan
-from pikv_hf.read import ReadPlan, RoutedRead, RoutingStats
 from pikv_hf.routing import Selector, ShardSummary, make_selector
 from pikv_hf.store import PagedStore, ShardStats
-
-if TYPE_CHECKING:
-    from pikv_hf.layer import PiKVLayer
 
 
 class PartitionedStore:
     """One layer's store under a plan: a ``PagedStore`` per local partition plus the statistics of every shard.
 
-    It offers what ``PiKVLayer`` reads from a store outside attention (sizes, ``append``, ``invalidate``, batch
-    operations, byte counts) and what a routed selection reads (``summary``); attention itself goes through
-    :meth:`Partition.attend`. Arguments as ``PagedStore``'s; ``device`` is the layer's (where keys arrive, where
-    partials are merged), each partition's pool lives on its plan device.
+    It offers what a layer reads from a store outside attention (sizes, ``append``, batch operations, byte counts),
+    what a routed selection reads (``summary``) and what a ``DecodeStep`` attends over (``stores``: the local
+    partitions). Arguments as ``PagedStore``'s; ``device`` is the layer's (where keys arrive, where partials are
+    merged), each partition's pool lives on its plan device.
     """
 
     def __init__(
@@ -66,7 +61,6 @@ class PartitionedStore:
             self.parts.append(part)
             self.mine.append(owner == p)
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)  # every shard, not only local ones
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row-head-shard ids, keys) of the last append
 
     @property
     def batch(self) -> int:
@@ -76,35 +70,35 @@ class PartitionedStore:
     def heads(self) -> int:
         return self.stats.count.shape[1]
 
+    @property
+    def stores(self) -> list[PagedStore]:
+        """The local partitions (what a ``DecodeStep`` attends over, like the stores of a ``StoreGroup``)."""
+        return self.parts
+
+    offloaded: tuple = ()  # no partition is an offload tier
+
     def append(
-        self, keys: torch.Tensor, values: torch.Tensor, shard: torch.Tensor, pos: torch.Tensor, grow: bool = True
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        shard: torch.Tensor,
+        pos: torch.Tensor,
+        present: torch.Tensor | None = None,
+        grow: bool = True,
     ) -> None:
         """Store each new token (``[B, H, q, D]``, shards ``[B, H, q]``, positions ``[q]``) in the local partition
-        owning its shard, if any; fold every key into the statistics."""
+        owning its shard, if any; fold every key (but padding, ``present`` False) into the statistics."""
         b, h, _ = shard.shape
         bhs = torch.arange(b * h, device=shard.device).view(b, h, 1) * self.num_shards + shard
-        self.stats.add(bhs.reshape(-1), keys.reshape(-1, self.k_dim))  # the same sums as one PagedStore's
-        self._pending = (bhs, keys)  # padding is known at the attention call; these keys then leave the statistics
+        if present is None:
+            self.stats.add(bhs.reshape(-1), keys.reshape(-1, self.k_dim))  # the same sums as one PagedStore's
+        else:
+            self.stats.add(bhs[present], keys[present])
         for part, mine in zip(self.parts, self.mine, strict=True):
-            present = mine[shard]
-            if bool(present.any()):
+            here = mine[shard] if present is None else mine[shard] & present
+            if bool(here.any()):
                 d = part.device
-                part.append(keys.to(d), values.to(d), shard.to(d), pos.to(d), present.to(d))
-
-    def invalidate(self, first_pos: int, keep: torch.Tensor) -> None:
-        """Drop the latest append's tokens (positions ``first_pos + i``) where ``keep[:, i]`` (``[B, q]``) is False
-        (padding), in every partition and in the statistics."""
-        for part in self.parts:
-            if part.table.width():
-                part.invalidate(first_pos, keep.to(part.device))
-        bhs, keys = self._pending
-        drop = ~keep.unsqueeze(1).expand_as(bhs)
-        if bool(drop.any()):
-            self.stats.add(bhs[drop], keys[drop], sign=-1)
-
-    def release_pending(self) -> None:
-        """Forget the latest append's keys (after its attention call: padding can no longer arrive)."""
-        self._pending = None
+                part.append(keys.to(d), values.to(d), shard.to(d), pos.to(d), here.to(d), grow=grow)
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The summaries of every shard of the layer (the same on every rank)."""
@@ -114,7 +108,6 @@ class PartitionedStore:
         for part in self.parts:
             part.index_batch(index.to(part.device))
         self.stats.index_batch(index)
-        self._pending = None
 
     def tokens_per_shard(self) -> torch.Tensor:
         """``[B, H, S]`` valid tokens held by this process's partitions (zero for other ranks' shards)."""
@@ -125,12 +118,6 @@ class PartitionedStore:
 
     def meta_nbytes(self) -> int:
         return sum(part.meta_nbytes() for part in self.parts) + self.stats.nbytes()
-
-
-def _empty_partial(query: torch.Tensor, v_dim: int) -> Partial:
-    b, hq, q, _ = query.shape
-    o = torch.zeros(b, hq, q, v_dim, device=query.device)
-    return Partial(o, torch.full((b, hq, q), float("-inf"), device=query.device))
 
 
 class Partition:
@@ -163,62 +150,11 @@ class Partition:
                     "use a stateless selector"
                 )
 
-    def attend(
-        self,
-        layer: PiKVLayer,
-        query: torch.Tensor,
-        qpos: torch.Tensor,
-        scale: float,
-        sliding_window: int | None,
-        sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attention of ``layer``'s latest queries (``[B, Hq, q, Dk]`` at positions ``qpos``) over every shard
-        -> ``[B, q, Hq, Dv]``: one partial per local partition, merged here and across ranks."""
-        st: PartitionedStore = layer.store
-        b, hq, q, dk = query.shape
-        sparse = q == 1 and layer.read.sparse
-        row_start = layer.row_start  # [B] first real token of each row (left padding), or None
-        if row_start is None:
-            row_start = torch.zeros(b, dtype=torch.int64, device=st.device)
-        chosen = None
-        if sparse and isinstance(layer.policy, RoutedRead):
-            chosen = layer.policy.choose(st, query.reshape(b, st.heads, hq // st.heads * q, dk), scale)
-        partials = []
-        for part in st.parts:
-            d = part.device
-            plan = ReadPlan()
-            if chosen is not None:
-                plan = layer.policy.read_shards(part, chosen.to(d), int(qpos[-1]), row_start.to(d))
-            if part.table.width() == 0 or (plan.pages is not None and plan.pages.shape[-1] == 0):
-                partial = _empty_partial(query, st.v_dim)
-            else:
-                partial = layer.backend.attend(
-                    query.to(d), part, plan, qpos.to(d), scale, sliding_window, None, layer.shard_groups, count=sparse
-                )
-            if sparse:
-                _record_read(layer.routing_stats, part, plan, partial)
-            partials.append((partial.o.to(st.device), partial.lse.to(st.device)))
-        if sparse:
-            layer.routing_stats.steps += 1
-            layer.routing_stats.heads += b * st.heads
-        o, lse = merge_partials(partials)
-        if self.comm is not None:
-            o, lse = merge_partials(self.comm.gather_partials(o, lse, f"attention partials of layer {layer.layer_idx}"))
-        if sinks is not None:
-            o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
-        st.release_pending()
-        return o.transpose(1, 2).to(query.dtype)
-
-
-def _record_read(stats: RoutingStats, part: PagedStore, plan: ReadPlan, partial: Partial) -> None:
-    """Add one partition's decode read to a layer's ``RoutingStats`` (this process's partitions only)."""
-    n_read = part.table.n_pages if plan.exact else (plan.pages >= 0).sum(-1)
-    if partial.attended is not None:
-        stats.tokens_attended += int(partial.attended.sum())
-    stats.tokens_stored += int(part.stats.count.sum())
-    stats.pages_gathered += int(n_read.sum())
-    stats.pages_stored += int(part.table.n_pages.sum())
-    stats.slots_gathered += int(n_read.sum()) * part.page_size
+    def gather(self, layer_idx: int):
+        """The cross-rank merge of a layer's attention (``DecodeStep``'s ``remote``): every rank's partials."""
+        if self.comm is None:
+            return None
+        return lambda o, lse: self.comm.gather_partials(o, lse, f"attention partials of layer {layer_idx}")
 
 
 def _config_digest(config: PretrainedConfig) -> str:

@@ -82,13 +82,13 @@ class PrefillRecord:
 
 def replayable(press) -> bool:
     """Whether ``press`` compresses through kvpress's default prefill hook (so :class:`PrefillRecord` applies)."""
-    from kvpress import BasePress, DecodingPress, PrefillDecodingPress
+    from kvpress import BasePress, DecodingPress, PrefillDecodingPress, ScorerPress
 
     if getattr(press, "replays_prefill", False):  # PiKV presses whose hooks read only their arguments
         return True
     return (
         press is not None
-        and type(press).forward_hook is BasePress.forward_hook
+        and type(press).forward_hook in (BasePress.forward_hook, ScorerPress.forward_hook)  # kvpress_compat's
         and not isinstance(press, (DecodingPress, PrefillDecodingPress))
     )
 

@@ -11,13 +11,14 @@ Compression: :class:`QuantPress` (KIVI), :class:`SVDPress`, :class:`LoRAPress`, 
 
 from pikv_hf.presses.adakv_press import AdaKVPress
 from pikv_hf.presses.base import (
-    OFFLOAD_TARGETS,
     SHARD_BUDGETS,
+    PiKVPress,
     PiKVScorerPress,
     drop_or_offload,
     evict_lowest,
     keep_mask,
     proportional_keep,
+    row_budgets,
 )
 from pikv_hf.presses.channel_prune_press import ChannelPrunePress
 from pikv_hf.presses.chunk_pca_press import ChunkPCAPress
@@ -62,7 +63,6 @@ COMPRESSORS = {
 
 __all__ = [
     "COMPRESSORS",
-    "OFFLOAD_TARGETS",
     "SCHEDULERS",
     "SHARD_BUDGETS",
     "AdaKVPress",
@@ -79,6 +79,7 @@ __all__ = [
     "LRUPress",
     "LoRAPlusPress",
     "LoRAPress",
+    "PiKVPress",
     "PiKVScorerPress",
     "PyramidPress",
     "QuantPress",
@@ -92,5 +93,6 @@ __all__ = [
     "keep_mask",
     "load_heads",
     "proportional_keep",
+    "row_budgets",
     "save_heads",
 ]

@@ -1,36 +1,41 @@
 """What every PiKV press shares: kvpress behaviour on a DynamicCache, real per-(row, KV head) eviction on a PiKVCache.
 
 A PiKV press is a kvpress press (``ScorerPress``, ``DecodingPress``, ... subclasses), so kvpress's pipeline and its
-``isinstance`` checks treat it as one of its own. Its hook branches on the cache it finds:
+``isinstance`` checks treat it as one of its own. One hook (:meth:`PiKVPress.forward_hook`) branches on the cache:
 
-* on a ``DynamicCache`` (or any other cache) it runs kvpress's own hook: the press compresses exactly as a kvpress
+* on a ``DynamicCache`` (or any other cache) it is kvpress's own hook: the press compresses exactly as a kvpress
   press does, so results are comparable with kvpress's presses;
-* on a ``PiKVCache`` it acts on the layer directly: a scorer press scores the layer's position-ordered view and
-  evicts what it does not keep (:func:`evict_lowest`), so the bytes are freed per (row, KV head) with no copy of the
-  kept tokens through the view assignment; other presses call other layer operations (moving tokens to a tier,
-  switching the read policy).
+* on a ``PiKVCache`` it calls the press's :meth:`PiKVPress.press_layer` with the layer, which acts through the
+  layer's small API (``view`` / ``view_index``, ``keep``, ``offload_tokens``, ``move_to_tier``, ``slot_stat``,
+  ``held``): the bytes are freed per (row, KV head).
 
-Budgets follow kvpress: ``n_kept = compute_n_kept(T, compression_ratio)`` tokens per (row, KV head) of a ``T``-token
-view. How a budget splits over the shards of a (row, head) is the press's ``shard_budget``: ``"global"`` keeps the
-``n_kept`` best-scored tokens wherever they sit; ``"proportional"`` gives every shard its share of ``n_kept`` in
-proportion to the tokens it holds (largest remainders round it to exactly ``n_kept``) and keeps that shard's best,
-so no shard a routed read may select is emptied.
+Budgets follow kvpress, per row: ``n_kept = compute_n_kept(T_b, compression_ratio)`` tokens per (row, KV head),
+``T_b`` the tokens that (row, head) holds. Left padding takes no slot, so it takes no budget, and scores rank by
+positions counted from each row's first real token (``DenseView.rel_pos``): a row of a padded batch keeps what it
+keeps alone. kvpress's own scorer presses get the same budgets inside a PiKVCache (:func:`scorer_hook`, installed
+by ``pikv_hf.kvpress_compat``). How a budget splits over the shards of a (row, head) is the press's
+``shard_budget``: ``"global"`` keeps the best-scored tokens wherever they sit; ``"proportional"`` gives every shard
+its share in proportion to the tokens it holds (largest remainders) and keeps that shard's best, so no shard a
+routed read may select is emptied.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from kvpress.presses.base_press import is_prefilling
 from kvpress.presses.scorer_press import ScorerPress
-from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import calling_press, check_ratio
-from pikv_hf.layer import OFFLOAD_TARGETS, PiKVLayer
+from pikv_hf.checks import calling_press, check_field_types, check_ratio
+from pikv_hf.layer import PiKVLayer
+from pikv_hf.routing.expert import decoder_layers
 from pikv_hf.routing.scores import descending_rank
+from pikv_hf.store.tiers import OFFLOAD_TARGETS
+from pikv_hf.view import DenseView
 
 SHARD_BUDGETS = ("global", "proportional")
 
@@ -40,19 +45,30 @@ def check_shard_budget(value: str) -> None:
         raise ValueError(f"shard_budget must be one of {', '.join(SHARD_BUDGETS)}, got {value!r}")
 
 
-def proportional_keep(scores: torch.Tensor, shard: torch.Tensor, valid: torch.Tensor, n_kept: int) -> torch.Tensor:
-    """``[B, H, T]`` bool keep mask: ``n_kept`` entries per (row, head) (fewer if fewer are valid), split over shards
-    in proportion to the valid entries each shard holds (largest remainders), the best-scored within each shard.
+def check_offload(value: str | None) -> None:
+    if value is not None and value not in OFFLOAD_TARGETS:
+        raise ValueError(f"offload must be None or one of {', '.join(OFFLOAD_TARGETS)}, got {value!r}")
 
-    ``scores``, ``shard`` (int64, any value where not valid) and ``valid`` are ``[B, H, T]``.
-    """
+
+def row_budgets(count: torch.Tensor, compression_ratio: float) -> torch.Tensor:
+    """``compute_n_kept`` of every (row, head)'s token count (``[B, H]`` int64): ``max(1, int(T * (1 - r)))``."""
+    kept = (count.double() * (1 - compression_ratio)).floor().long()
+    return kept.clamp(min=1) if compression_ratio < 1 else torch.zeros_like(count)
+
+
+def proportional_keep(
+    scores: torch.Tensor, shard: torch.Tensor, valid: torch.Tensor, n_kept: torch.Tensor
+) -> torch.Tensor:
+    """``[B, H, T]`` bool keep mask: ``n_kept`` (``[B, H]``) entries per (row, head) (fewer if fewer are valid), split
+    over shards in proportion to the valid entries each shard holds (largest remainders), the best-scored within
+    each shard. ``scores``, ``shard`` (int64, any value where not valid) and ``valid`` are ``[B, H, T]``."""
     b, h, t = scores.shape
     s = int(shard[valid].max()) + 1 if bool(valid.any()) else 1
     shard = torch.where(valid, shard, s)  # entries that are not valid sit in a bucket of their own, never kept
     count = torch.zeros(b, h, s + 1, dtype=torch.float64, device=scores.device)
     count = count.scatter_add_(2, shard, valid.to(torch.float64))[..., :s]
     total = count.sum(-1, keepdim=True)
-    target = total.clamp(max=n_kept)
+    target = total.minimum(n_kept.unsqueeze(-1).to(torch.float64))
     share = count * (target / total.clamp(min=1))
     budget = share.floor()
     short = (target - budget.sum(-1, keepdim=True)).round().long()  # one more for the largest remainders
@@ -75,131 +91,59 @@ def proportional_keep(scores: torch.Tensor, shard: torch.Tensor, valid: torch.Te
 
 def keep_newest(scores: torch.Tensor) -> torch.Tensor:
     """``scores`` (``[B, H, T]`` over position-ordered keys) with the newest token ranked first: a press never
-    evicts the token being decoded, on a DynamicCache (kvpress keeps the top scores) as on a PiKVCache."""
+    evicts the token being decoded (kvpress's top scores on a DynamicCache)."""
     return scores.index_fill(-1, torch.tensor([scores.shape[-1] - 1], device=scores.device), float("inf"))
 
 
 def keep_mask(
-    layer: PiKVLayer, scores: torch.Tensor, n_kept: int | torch.Tensor, shard_budget: str = "global"
+    layer: PiKVLayer,
+    view: DenseView,
+    scores: torch.Tensor,
+    n_kept: int | torch.Tensor,
+    shard_budget: str = "global",
 ) -> torch.Tensor:
-    """Frame keep mask (``[B, H, W * P]`` over the hot store) of the ``n_kept`` highest ``scores`` (``[B, H, T]`` over
-    the layer's dense view) per (row, KV head); ``n_kept`` is an int or a ``[B, H]`` tensor (per-head budgets). The
-    most recent token of every (row, head) is always kept."""
-    view = layer.view_index()
-    present = view.pos >= 0
+    """``[B, H, T]`` keep mask over ``view``'s entries: the ``n_kept`` (an int or ``[B, H]``) highest ``scores``
+    (``[B, H, T]``) of each (row, KV head); the newest token of every (row, head) is always kept."""
+    present = view.valid
     ranked = scores.masked_fill(~present, float("-inf"))
-    newest = view.pos.argmax(-1, keepdim=True)
-    ranked = ranked.scatter(2, newest, float("inf"))  # the token being decoded is never evicted
-    budget = torch.as_tensor(n_kept, device=ranked.device).expand(ranked.shape[:2]).unsqueeze(-1)
+    ranked = ranked.scatter(2, view.pos.argmax(-1, keepdim=True), float("inf"))  # the token being decoded
+    budget = torch.as_tensor(n_kept, device=ranked.device).expand(ranked.shape[:2])
     if shard_budget == "global":
-        keep_view = (descending_rank(ranked) < budget) & present
-    else:
-        if isinstance(n_kept, torch.Tensor):
-            raise ValueError("shard_budget='proportional' takes one budget for every (row, head)")
-        st = layer.store
-        frame_shard = st.frame("shard").long().repeat_interleave(st.page_size, dim=-1)
-        shard = frame_shard.gather(2, view.frame_index.clamp(min=0))
-        keep_view = proportional_keep(ranked, shard, present, n_kept)
-    return to_frame(layer, view, keep_view)
+        return (descending_rank(ranked) < budget.unsqueeze(-1)) & present
+    st = layer.store
+    frame_shard = st.frame("shard").long().repeat_interleave(st.page_size, dim=-1)
+    return proportional_keep(ranked, frame_shard.gather(2, view.frame_index.clamp(min=0)), present, budget)
 
 
-def to_frame(layer: PiKVLayer, view, keep_view: torch.Tensor) -> torch.Tensor:
-    """A keep mask over the entries of a dense view (``[B, H, T]``) as a keep mask over the hot store's frame."""
-    return layer.frame_mask(view.frame_index, keep_view & (view.pos >= 0))
+def topk_keep(view: DenseView, scores: torch.Tensor, n_kept: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T]`` keep mask over ``view``'s entries as kvpress's ``ScorerPress.compress`` selects (``torch.topk``,
+    nothing forced in), with each (row, head)'s own budget ``n_kept`` (``[B, H]``)."""
+    k = int(n_kept.max()) if n_kept.numel() else 0
+    top = scores.masked_fill(~view.valid, float("-inf")).topk(min(k, scores.shape[-1]), dim=-1).indices
+    taken = torch.arange(top.shape[-1], device=top.device) < n_kept.unsqueeze(-1)
+    return torch.zeros_like(view.valid).scatter_(2, top, taken) & view.valid
 
 
-def drop_or_offload(layer: PiKVLayer, keep: torch.Tensor, offload: str | None) -> None:
-    """Evict the hot store's tokens outside ``keep``, or move them to the layer's offload tier (``"cpu"`` or
-    ``"disk"``) where attention still reads them."""
+def drop_or_offload(layer: PiKVLayer, view: DenseView, keep: torch.Tensor, offload: str | None) -> None:
+    """Evict the view's tokens outside ``keep`` from the layer's hot store, or move them to its offload tier
+    (``"cpu"`` or ``"disk"``) where attention still reads them."""
     if offload is None:
-        layer.evict(keep)
+        layer.keep(view, keep)
     else:
-        layer.offload_tokens(keep, offload)
+        layer.offload_tokens(view, keep, offload)
 
 
 def evict_lowest(
     layer: PiKVLayer,
+    view: DenseView,
     scores: torch.Tensor,
-    compression_ratio: float,
+    n_kept: int | torch.Tensor,
     shard_budget: str = "global",
     offload: str | None = None,
 ) -> None:
-    """Keep, per (row, KV head), the ``compute_n_kept(T, compression_ratio)`` highest ``scores`` (``[B, H, T]`` over
-    the layer's dense view of ``T`` entries) and evict (or offload) the rest from the layer's hot store."""
-    t = layer.view_index().pos.shape[-1]
-    if t == 0 or compression_ratio == 0:
-        return
-    drop_or_offload(layer, keep_mask(layer, scores, compute_n_kept(t, compression_ratio), shard_budget), offload)
-
-
-@dataclass
-class PiKVScorerPress(ScorerPress):
-    """A ``ScorerPress`` whose prefill hook, on a ``PiKVCache``, evicts the lowest-scored tokens of each (row, KV head)
-    in place (see the module docstring); on any other cache it is kvpress's ``ScorerPress``.
-
-    Subclasses give ``score`` (kvpress's signature: ``[B, H, T]``, higher = keep) and, when a PiKVCache's attention
-    statistics can rank the stored tokens during decoding, ``decode_scores(layer) -> [B, H, T]`` over the layer's
-    dense view (used by :class:`pikv_hf.presses.DecodingBudgetPress`).
-    Presses that recompute the model's queries refuse models whose query path they cannot follow.
-
-    Parameters
-    ----------
-    compression_ratio : float
-        Fraction of the context's KV pairs removed per (row, KV head), in ``[0, 1)``.
-    shard_budget : str
-        ``"global"`` or ``"proportional"``: how a (row, head)'s budget splits over its shards in a PiKVCache.
-    offload : str or None
-        PiKVCache only: move the tokens the press does not keep to an offload tier (``"cpu"``: CPU memory, pinned
-        when the cache is on a GPU; ``"disk"``: a memory-mapped file) instead of dropping them; attention keeps
-        reading them there (routed reads select shards over both tiers).
-    """
-
-    compression_ratio: float = 0.0
-    shard_budget: str = "global"
-    offload: str | None = None
-
-    def __post_init__(self) -> None:
-        check_ratio("compression_ratio", self.compression_ratio)
-        check_shard_budget(self.shard_budget)
-        check_offload(self.offload)
-
-    replays_prefill = True  # the PiKV branch reads only the hook's arguments: a recorded prefill can be replayed
-    recomputes_queries = False  # scores from the model's own queries (presses.queries): checked on entering
-
-    def post_init_from_model(self, model: nn.Module) -> None:
-        """Refuse, before any forward, a model whose query path the press cannot follow."""
-        super().post_init_from_model(model)
-        if self.recomputes_queries:
-            from pikv_hf.presses.queries import check_query_path
-            from pikv_hf.routing.expert import decoder_layers
-
-            for layer in decoder_layers(model):
-                check_query_path(layer.self_attn)
-
-    def decode_scores(self, layer: PiKVLayer, n_kept: int) -> torch.Tensor:
-        """``[B, H, T]`` scores of the layer's stored tokens, in the order of ``layer.view_index()``, from the
-        cache's statistics (decode time; ``n_kept`` is the budget they will be cut to)."""
-        raise NotImplementedError(f"{type(self).__name__} has no decode-time scores from cache statistics")
-
-    def decode_keep(self, layer: PiKVLayer, n_kept: int) -> torch.Tensor:
-        """Frame keep mask of the ``n_kept`` tokens per (row, KV head) that :meth:`decode_scores` ranks highest."""
-        return keep_mask(layer, self.decode_scores(layer, n_kept), n_kept, self.shard_budget)
-
-    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        if not isinstance(kwargs["past_key_values"], PiKVCache):
-            return super().forward_hook(module, input, kwargs, output)
-        layer = prefill_layer(module, kwargs, self.compression_ratio)
-        if layer is None:
-            return output
-        view = layer.view()
-        scores = self.score(module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs)
-        evict_lowest(layer, scores, self.layer_ratio(module, view.pos.shape[-1]), self.shard_budget, self.offload)
-        return output
-
-    def layer_ratio(self, module: nn.Module, length: int) -> float:
-        """The ``compression_ratio`` applied to ``module``'s layer of ``length`` tokens (the same for every layer
-        here; layer-wise budgets override it)."""
-        return self.compression_ratio
+    """Keep the ``n_kept`` (an int or ``[B, H]``) highest ``scores`` of ``view``'s entries per (row, KV head) and
+    evict (or offload) the rest from the layer's hot store."""
+    drop_or_offload(layer, view, keep_mask(layer, view, scores, n_kept, shard_budget), offload)
 
 
 def prefill_layer(module: nn.Module, kwargs: dict, compression_ratio: float) -> PiKVLayer | None:
@@ -218,6 +162,131 @@ def prefill_layer(module: nn.Module, kwargs: dict, compression_ratio: float) -> 
     return layer
 
 
-def check_offload(value: str | None) -> None:
-    if value is not None and value not in OFFLOAD_TARGETS:
-        raise ValueError(f"offload must be None or one of {', '.join(OFFLOAD_TARGETS)}, got {value!r}")
+def scorer_hook(press: ScorerPress, module: nn.Module, kwargs: dict, output: list) -> list:
+    """The prefill hook of a scorer press on a PiKVCache: score the layer's view, keep each row's budget (its own
+    tokens only), evict (or offload) the rest. Serves pikv_hf's scorer presses and kvpress's own (whose selection is
+    kvpress's top-k: on a row of the full length it keeps what kvpress keeps on a DynamicCache)."""
+    layer = prefill_layer(module, kwargs, press.compression_ratio)
+    if layer is None:
+        return output
+    view = layer.view()
+    if isinstance(press, PiKVScorerPress):
+        scores = press.score_view(module, kwargs, view, output[1])
+        evict_lowest(layer, view, scores, press.budget(module, view), press.shard_budget, press.offload)
+    else:  # kvpress's own scorer: its scores and its top-k, on each row's own tokens
+        scores = press.score(module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs)
+        layer.keep(view, topk_keep(view, scores, row_budgets(view.count, press.compression_ratio)))
+    return output
+
+
+class PiKVPress:
+    """Mixin placed first among a press's bases: the hook that branches on the cache (module docstring).
+
+    Subclasses define :meth:`press_layer` (what the press does to a PiKVCache layer), may refuse a cache they cannot
+    act on in :meth:`check_cache` and, when they rank decoding tokens from the cache's per-slot statistics, name
+    them in :attr:`decode_stats`. Both take effect before a layer's attention (a pre-hook), so a refusal comes before
+    anything is stored and the statistics count the prefill's queries too."""
+
+    replays_prefill = True  # the PiKV branch reads only the hook's arguments: a recorded prefill can be replayed
+    decode_stats: tuple[str, ...] = ()
+
+    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
+        cache = kwargs["past_key_values"]
+        if not isinstance(cache, PiKVCache):
+            return super().forward_hook(module, input, kwargs, output)
+        self.press_layer(module, cache.layers[module.layer_idx], kwargs, output)
+        return output
+
+    def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
+        raise NotImplementedError
+
+    def stats_needed(self) -> tuple[str, ...]:
+        """The per-slot statistics this press reads while decoding."""
+        return self.decode_stats
+
+    def check_cache(self) -> None:
+        """Raise if this press cannot act on a PiKVCache (called before a layer's attention)."""
+
+    @contextmanager
+    def __call__(self, model: nn.Module):
+        hooks = []
+        if self.stats_needed() or type(self).check_cache is not PiKVPress.check_cache:
+            for layer in decoder_layers(model):
+                hooks.append(layer.self_attn.register_forward_pre_hook(self._before_attention, with_kwargs=True))
+        try:
+            with super().__call__(model):
+                yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _before_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, PiKVCache):
+            self.check_cache()
+            if self.stats_needed():
+                cache.layers[module.layer_idx].enable_stats()
+
+
+@dataclass
+class PiKVScorerPress(PiKVPress, ScorerPress):
+    """A ``ScorerPress`` whose prefill hook, on a ``PiKVCache``, evicts the lowest-scored tokens of each (row, KV head)
+    (see the module docstring); on any other cache it is kvpress's ``ScorerPress``.
+
+    Subclasses give ``score`` (kvpress's signature: ``[B, H, T]``, higher = keep), may give :meth:`score_view` (the
+    same from a PiKVCache layer's view, with positions) and, when the cache's statistics rank decoding tokens,
+    :meth:`decode_scores` (used by :class:`pikv_hf.presses.DecodingBudgetPress`).
+
+    Parameters
+    ----------
+    compression_ratio : float
+        Fraction of the context's KV pairs removed per (row, KV head), in ``[0, 1)``.
+    shard_budget : str
+        ``"global"`` or ``"proportional"``: how a (row, head)'s budget splits over its shards in a PiKVCache.
+    offload : str or None
+        PiKVCache only: move the tokens the press does not keep to an offload tier (``"cpu"``: CPU memory, pinned
+        when the cache is on a GPU; ``"disk"``: memory-mapped files) instead of dropping them; attention keeps
+        reading them there (routed reads select shards over both tiers).
+    """
+
+    compression_ratio: float = 0.0
+    shard_budget: str = "global"
+    offload: str | None = None
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        check_ratio("compression_ratio", self.compression_ratio)
+        check_shard_budget(self.shard_budget)
+        check_offload(self.offload)
+
+    recomputes_queries = False  # scores from the model's own queries (presses.queries): checked on entering
+
+    def post_init_from_model(self, model: nn.Module) -> None:
+        """Refuse, before any forward, a model whose query path the press cannot follow."""
+        super().post_init_from_model(model)
+        if self.recomputes_queries:
+            from pikv_hf.presses.queries import check_query_path
+
+            for layer in decoder_layers(model):
+                check_query_path(layer.self_attn)
+
+    def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
+        scorer_hook(self, module, kwargs, output)
+
+    def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
+        """``[B, H, T]`` scores of a PiKVCache layer's view at prefill (default: kvpress's ``score`` of its keys)."""
+        return self.score(module, kwargs["hidden_states"], view.keys, view.values, attentions, kwargs)
+
+    def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
+        """``[B, H, T]`` scores of ``view``'s entries from the cache's statistics (decode time; ``n_kept`` is the
+        budget they will be cut to)."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode-time scores from cache statistics")
+
+    def decode_keep(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
+        """Keep mask of the ``n_kept`` tokens per (row, KV head) that :meth:`decode_scores` ranks highest."""
+        return keep_mask(layer, view, self.decode_scores(layer, view, n_kept), n_kept, self.shard_budget)
+
+    def budget(self, module: nn.Module, view: DenseView) -> torch.Tensor:
+        """``[B, H]`` tokens ``module``'s layer keeps of ``view`` at prefill: ``compute_n_kept`` of each (row, head)'s
+        own tokens (layer-wise budgets override it)."""
+        return row_budgets(view.count, self.compression_ratio)

@@ -22,7 +22,6 @@ what is kept (a selection of a layer that already holds a compressed tier is ref
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +31,10 @@ from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_int_at_least
+from pikv_hf.checks import check_field_types, check_int_at_least
 from pikv_hf.codecs.base import Codec, PageBatch
 from pikv_hf.layer import PiKVLayer
+from pikv_hf.presses.base import PiKVPress
 
 TIER = "compressed"
 
@@ -115,7 +115,7 @@ def cache_report(cache: PiKVCache) -> dict:
 
 
 @dataclass
-class CompressorPress(PrefillDecodingPress):
+class CompressorPress(PiKVPress, PrefillDecodingPress):
     """Base of the compressor presses (module docstring): subclasses set :attr:`page_size` and build each layer's
     codec (:meth:`build_codec`).
 
@@ -134,9 +134,9 @@ class CompressorPress(PrefillDecodingPress):
     n_sink: int = 0
     # tokens are held compressed, not removed: what kvpress's ComposedPress multiplies into its ratio
     compression_ratio: float = field(default=0.0, init=False, repr=False)
-    replays_prefill: ClassVar[bool] = True  # its prefill hook may be replayed on a copy of the cache (eval)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_int_at_least("window", self.window, 0)
         check_int_at_least("n_sink", self.n_sink, 0)
         self.check()
@@ -167,12 +167,14 @@ class CompressorPress(PrefillDecodingPress):
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs["past_key_values"]
-        prefilling = is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
-        if isinstance(cache, PiKVCache):
-            self.compress_layer(cache.layers[module.layer_idx], prefilling)
-        else:
+        if not isinstance(cache, PiKVCache):  # kvpress's PrefillDecodingPress hook would look for inner presses
+            prefilling = is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
             self.simulate(cache.layers[module.layer_idx], module.layer_idx, prefilling)
-        return output
+            return output
+        return super().forward_hook(module, input, kwargs, output)
+
+    def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
+        self.compress_layer(layer, is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]))
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """kvpress's ``compress``: the keys and values with every whole page between the sinks and the window
@@ -213,25 +215,24 @@ class CompressorPress(PrefillDecodingPress):
     def compress_layer(self, layer: PiKVLayer, prefilling: bool) -> None:
         """PiKVCache: move the hot store's tokens older than the window into the compressed tier (at prefill, or once
         a page of them has gathered)."""
-        st = layer.store
-        if st is None:
+        if layer.store is None:
             return
-        if layer.partition is not None:
+        if not layer.has_view:
             raise RuntimeError(
                 f"{type(self).__name__}: layer {layer.layer_idx} keeps its shards in partitions (distributed); "
                 "compressed tiers are not supported there"
             )
-        pos = st.frame("pos")
-        old = st.frame("valid") & (pos < layer.seen - self.window) & (pos >= self.n_sink)
+        view = layer.view_index()
+        old = view.valid & (view.pos < layer.seen - self.window) & (view.rel_pos >= self.n_sink)
         n = int(old.sum(-1).max()) if old.numel() else 0
         if n == 0 or (not prefilling and n < self.page_size):
             return
-        if TIER not in layer.tiers:
-            keys, values = st.frame_kv()
+        codec = None
+        if TIER not in layer.tiers:  # built from the first tokens it will hold (zeros elsewhere)
+            full = layer.view()
             mask = ~old.unsqueeze(-1)
-            codec = self.build_codec(layer.layer_idx, keys.masked_fill(mask, 0), values.masked_fill(mask, 0))
-            layer.tier(TIER, codec, page_size=self.page_size)
-        layer.move_to_tier(TIER, ~old)
+            codec = self.build_codec(layer.layer_idx, full.keys.masked_fill(mask, 0), full.values.masked_fill(mask, 0))
+        layer.move_to_tier(TIER, view, ~old, codec=codec, page_size=self.page_size)
 
     # ------------------------------------------------------------------ reports
     def reconstruction_error(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int = 0) -> dict[str, float]:

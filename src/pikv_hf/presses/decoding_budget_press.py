@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from kvpress.presses.base_press import is_prefilling
 from kvpress.presses.decoding_press import DecodingPress
 from torch import nn
 
-from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_int_at_least
-from pikv_hf.presses.base import drop_or_offload
+from pikv_hf.checks import check_field_types, check_int_at_least
+from pikv_hf.layer import PiKVLayer
+from pikv_hf.presses.adakv_press import AdaKVPress
+from pikv_hf.presses.base import PiKVPress, PiKVScorerPress, drop_or_offload
 
 
 @dataclass
-class DecodingBudgetPress(DecodingPress):
+class DecodingBudgetPress(PiKVPress, DecodingPress):
     """Hold every (row, KV head) of every layer to ``target_size`` tokens during decoding.
 
     A kvpress ``DecodingPress`` (so kvpress's pipeline keeps it active while answering) around one of pikv_hf's
@@ -25,10 +25,11 @@ class DecodingBudgetPress(DecodingPress):
     On a ``PiKVCache`` the layer is cut back to ``target_size`` tokens per (row, KV head) as soon as it holds
     ``target_size + compression_interval`` (default interval 1: every step, so it never holds more than one token over
     budget), keeping what ``base_press.decode_keep`` ranks highest from the cache's own statistics, which the
-    attention path updates at every step; nothing is recomputed, and a step costs the same at any sequence length.
-    Dropped tokens move to the offload tier when ``base_press.offload`` is set. On a ``DynamicCache`` it is kvpress's
-    ``DecodingPress``: every ``compression_interval`` steps the base press re-scores the cache with the hidden states
-    of the last steps and compresses it to ``target_size``.
+    attention path updates at every step (the press turns them on before the prefill's attention, so the prefill's
+    queries count too); nothing is recomputed, and a step costs the same at any sequence length. Dropped tokens move
+    to the offload tier when ``base_press.offload`` is set. On a ``DynamicCache`` it is kvpress's ``DecodingPress``:
+    every ``compression_interval`` steps the base press re-scores the cache with the hidden states of the last steps
+    and compresses it to ``target_size``.
 
     Parameters
     ----------
@@ -44,6 +45,7 @@ class DecodingBudgetPress(DecodingPress):
     target_size: int = 1024
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_int_at_least("target_size", self.target_size, 1)
         check_int_at_least("compression_interval", self.compression_interval, 1)
         super().__post_init__()
@@ -53,19 +55,31 @@ class DecodingBudgetPress(DecodingPress):
                 f"target_size must exceed base_press.n_sink={n_sink} (sinks alone fill it), got {self.target_size}"
             )
 
-    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        cache = kwargs["past_key_values"]
-        if not isinstance(cache, PiKVCache):
-            return super().forward_hook(module, input, kwargs, output)
+    def stats_needed(self) -> tuple[str, ...]:
+        return self.base_press.stats_needed() if isinstance(self.base_press, PiKVPress) else ()
+
+    def check_cache(self) -> None:
+        """On a PiKVCache the base press ranks decoding tokens from the cache's statistics: refuse one that cannot,
+        at the first forward, before the layer stores anything."""
+        press = self.base_press
+        inner = press.press if isinstance(press, AdaKVPress) else press
+        if not isinstance(inner, PiKVScorerPress) or type(inner).decode_scores is PiKVScorerPress.decode_scores:
+            raise ValueError(
+                f"DecodingBudgetPress on a PiKVCache ranks decoding tokens from the cache's statistics: base_press "
+                f"{type(inner).__name__} has none (use H2OPress, StreamingLLMPress, LRUPress, LRUPlusPress, "
+                "FlexGenPress, or AdaKVPress over one of them)"
+            )
+
+    def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
         if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
-            return output
-        layer = cache.layers[module.layer_idx]
-        per_head = layer.store.stats.count.sum(-1)  # [B, H]
+            return
+        per_head = layer.held()  # [B, H]
         if getattr(self.base_press, "budget_per_row", False):  # AdaKV: a row's heads share heads * target_size
             over = int(per_head.sum(-1).max()) - per_head.shape[1] * self.target_size
         else:
             over = int(per_head.max()) - self.target_size
         if over >= self.compression_interval:
-            keep = self.base_press.decode_keep(layer, self.target_size)
-            drop_or_offload(layer, keep, getattr(self.base_press, "offload", None))
-        return output
+            view = layer.view_index()
+            keep = self.base_press.decode_keep(layer, view, self.target_size)
+            drop_or_offload(layer, view, keep, getattr(self.base_press, "offload", None))
+

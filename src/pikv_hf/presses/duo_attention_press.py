@@ -12,9 +12,9 @@ from kvpress.presses.base_press import BasePress
 from kvpress.utils import compute_n_kept
 from torch import nn
 
-from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_int_at_least, check_ratio
-from pikv_hf.presses.base import check_offload, drop_or_offload, prefill_layer, to_frame
+from pikv_hf.checks import check_field_types, check_int_at_least, check_ratio
+from pikv_hf.layer import PiKVLayer
+from pikv_hf.presses.base import PiKVPress, check_offload, drop_or_offload, prefill_layer
 from pikv_hf.presses.queries import model_queries
 
 
@@ -76,15 +76,21 @@ def save_heads(calibration: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(calibration, indent=1))
 
 
-def load_heads(path: str | Path, model: nn.Module) -> list[list[float]]:
-    """The head scores saved at ``path``; ``ValueError`` if they were fitted on another model."""
-    calibration = json.loads(Path(path).read_text())
+def checked_scores(calibration: dict, model: nn.Module, source: str) -> list[list[float]]:
+    """The scores of a :func:`calibrate_heads` result; ``ValueError`` if they were fitted on another model."""
+    if not isinstance(calibration, dict) or not {"identity", "scores"} <= set(calibration):
+        raise ValueError(f"{source} is not what calibrate_heads returns (a dict with 'identity' and 'scores')")
     if calibration["identity"] != model_identity(model):
         raise ValueError(
-            f"head scores at {path} were calibrated on another model (identity {calibration['identity']}, this "
+            f"head scores in {source} were calibrated on another model (identity {calibration['identity']}, this "
             f"model {model_identity(model)}); run calibrate_heads on this model"
         )
     return calibration["scores"]
+
+
+def load_heads(path: str | Path, model: nn.Module) -> list[list[float]]:
+    """The head scores saved at ``path``; ``ValueError`` if they were fitted on another model."""
+    return checked_scores(json.loads(Path(path).read_text()), model, str(path))
 
 
 def head_budgets(scores: list[float], t: int, n_kept: int, min_keep: int) -> list[int]:
@@ -104,12 +110,12 @@ def head_budgets(scores: list[float], t: int, n_kept: int, min_keep: int) -> lis
 
 
 @dataclass
-class DuoAttentionPress(BasePress):
+class DuoAttentionPress(PiKVPress, BasePress):
     """DuoAttention (Xiao et al., "DuoAttention: Efficient Long-Context LLM Inference with Retrieval and Streaming
     Heads", ICLR 2025): retrieval heads keep every token; streaming heads keep the first ``n_sink`` tokens and their
-    most recent ones. The heads with the lowest retrieval scores (:func:`calibrate_heads` on real text, saved with
-    :func:`save_heads` and loaded from ``heads``) stream, as few as the budget allows, so that every layer keeps
-    exactly ``H * compute_n_kept(T, compression_ratio)`` tokens per row.
+    most recent ones. The heads with the lowest retrieval scores (:func:`calibrate_heads` on real text) stream, as
+    few as the budget allows, so that every layer keeps exactly ``H * compute_n_kept(T, compression_ratio)`` tokens
+    per row (``T``: the row's own tokens; its sinks are its first real tokens).
 
     On a ``DynamicCache`` the streaming heads' dropped tokens are masked the way kvpress's head-wise presses mask them
     (``module.masked_key_indices``, a fake key per decode step; nothing is freed); on a ``PiKVCache`` they are
@@ -119,8 +125,9 @@ class DuoAttentionPress(BasePress):
     ----------
     compression_ratio : float
         Fraction of the context's KV pairs removed per layer, in ``[0, 1)``.
-    heads : str or list
-        Path of saved head scores, or the scores themselves (``[L][H]``).
+    heads : str, dict or list
+        What :func:`calibrate_heads` returns (checked against the model), a path it was saved to with
+        :func:`save_heads`, or the scores themselves (``[L][H]``).
     n_sink : int
         Sink tokens every streaming head keeps.
     offload : str or None
@@ -128,12 +135,12 @@ class DuoAttentionPress(BasePress):
     """
 
     compression_ratio: float = 0.0
-    heads: str | list = field(default_factory=list)
+    heads: str | Path | dict | list = field(default_factory=list)
     n_sink: int = 4
     offload: str | None = None
-    replays_prefill = True
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         check_ratio("compression_ratio", self.compression_ratio)
         check_int_at_least("n_sink", self.n_sink, 0)
         check_offload(self.offload)
@@ -142,24 +149,33 @@ class DuoAttentionPress(BasePress):
     def post_init_from_model(self, model: nn.Module) -> None:
         if self._scores is None:
             if not self.heads:
-                raise ValueError("DuoAttentionPress needs heads: a path from save_heads or the scores [L][H]")
-            self._scores = load_heads(self.heads, model)
+                raise ValueError(
+                    "DuoAttentionPress needs heads: what calibrate_heads returns, a path from save_heads or the "
+                    "scores [L][H]"
+                )
+            if isinstance(self.heads, dict):
+                self._scores = checked_scores(self.heads, model, "the heads given")
+            else:
+                self._scores = load_heads(self.heads, model)
         n_layers = model.config.get_text_config().num_hidden_layers
         if len(self._scores) != n_layers:
             raise ValueError(f"heads holds scores for {len(self._scores)} layers, the model has {n_layers}")
 
-    def keep_view(self, layer_idx: int, pos: torch.Tensor) -> torch.Tensor:
-        """``[B, H, T]`` keep mask over position-ordered entries (``pos``, ``-1``: padding)."""
-        b, h, t = pos.shape
+    def keep_view(self, layer_idx: int, rel_pos: torch.Tensor) -> torch.Tensor:
+        """``[B, H, T]`` keep mask over position-ordered entries (``rel_pos``: positions counted from each row's
+        first real token, ``-1``: padding); each row's budgets come from its own token count."""
+        b, h, t = rel_pos.shape
         scores = self._scores[layer_idx]
         if len(scores) != h:
             raise ValueError(f"heads holds {len(scores)} head scores for layer {layer_idx}, the layer has {h} KV heads")
-        budgets = head_budgets(scores, t, compute_n_kept(t, self.compression_ratio), self.n_sink + 1)
-        budget = torch.tensor(budgets, device=pos.device).view(1, h, 1)
-        newest = pos.amax(-1, keepdim=True)
-        recent = pos > newest - (budget - self.n_sink).clamp(min=1)
-        keep = (pos < self.n_sink) | recent | (budget == t)
-        return keep & (pos >= 0)
+        count = (rel_pos >= 0).sum(-1)[:, 0].tolist()  # tokens of each row (every head holds them at prefill)
+        budgets = [head_budgets(scores, n, compute_n_kept(n, self.compression_ratio), self.n_sink + 1) for n in count]
+        budget = torch.tensor(budgets, device=rel_pos.device).view(b, h, 1)
+        n = torch.tensor(count, device=rel_pos.device).view(b, 1, 1)
+        newest = rel_pos.amax(-1, keepdim=True)
+        recent = rel_pos > newest - (budget - self.n_sink).clamp(min=1)
+        keep = (rel_pos < self.n_sink) | recent | (budget == n)
+        return keep & (rel_pos >= 0)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         if self.compression_ratio == 0:
@@ -169,12 +185,9 @@ class DuoAttentionPress(BasePress):
         module.masked_key_indices = (~keep).nonzero(as_tuple=True)
         return keys, values
 
-    def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
-        if not isinstance(kwargs["past_key_values"], PiKVCache):
-            return super().forward_hook(module, input, kwargs, output)
+    def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
         layer = prefill_layer(module, kwargs, self.compression_ratio)
         if layer is None:
-            return output
+            return
         view = layer.view_index()
-        drop_or_offload(layer, to_frame(layer, view, self.keep_view(module.layer_idx, view.pos)), self.offload)
-        return output
+        drop_or_offload(layer, view, self.keep_view(module.layer_idx, view.rel_pos), self.offload)

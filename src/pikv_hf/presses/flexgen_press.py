@@ -9,6 +9,7 @@ from torch import nn
 
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVScorerPress
+from pikv_hf.view import DenseView
 
 
 @dataclass
@@ -30,5 +31,8 @@ class FlexGenPress(PiKVScorerPress):
         b, h, t, _ = keys.shape
         return torch.arange(t, device=keys.device, dtype=torch.float32).expand(b, h, t)
 
-    def decode_scores(self, layer: PiKVLayer, n_kept: int) -> torch.Tensor:
-        return layer.view_index().pos.float()
+    def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
+        return view.rel_pos.float()
+
+    def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
+        return view.rel_pos.float()

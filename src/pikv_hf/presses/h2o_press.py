@@ -10,14 +10,14 @@ from torch import nn
 
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVScorerPress, keep_newest
-from pikv_hf.presses.queries import attention_statistics
+from pikv_hf.presses.queries import KeyLayout, attention_statistics
+from pikv_hf.view import DenseView
 
 
-def protect_recent(scores: torch.Tensor, pos: torch.Tensor, n_recent: int) -> torch.Tensor:
-    """``scores`` (``[B, H, T]``) with the ``n_recent`` most recent entries (by position ``pos``, ``-1``: padding)
-    of every (row, head) raised above every other entry."""
-    if n_recent <= 0:
-        return scores
+def protect_recent(scores: torch.Tensor, pos: torch.Tensor, n_recent: torch.Tensor | int) -> torch.Tensor:
+    """``scores`` (``[B, H, T]``) with the ``n_recent`` (an int or ``[B, H]``) most recent entries (by position
+    ``pos``, ``-1``: padding) of every (row, head) raised above every other entry."""
+    n_recent = torch.as_tensor(n_recent, device=pos.device).expand(pos.shape[:2]).unsqueeze(-1)
     newest = pos.amax(-1, keepdim=True)
     recent = (pos > newest - n_recent) & (pos >= 0)
     return torch.where(recent, scores.abs().amax() + 1 + pos.float(), scores)
@@ -33,9 +33,10 @@ class H2OPress(PiKVScorerPress):
     over every query so far and over the query heads sharing the KV head, is largest.
 
     Scores are ``[B, H, T]`` over the cache's position-ordered keys ``[B, H, T, D]``. At prefill they are recomputed
-    from the model's own queries (``presses.queries``: ``q_norm`` and RoPE as the model applies them); during
-    decoding in a ``PiKVCache`` they are the accumulated attention mass its attention path keeps per slot
-    (``PiKVCache(..., track_stats=True)``), not recomputed.
+    from the model's own queries (``presses.queries``: ``q_norm`` and RoPE as the model applies them; in a PiKVCache
+    padding queries and keys take no part); during decoding in a ``PiKVCache`` they are the accumulated attention
+    mass its attention path keeps per slot (tracked from the prefill on once this press sees the cache), not
+    recomputed.
 
     Parameters
     ----------
@@ -46,16 +47,18 @@ class H2OPress(PiKVScorerPress):
     """
 
     recomputes_queries = True
+    decode_stats = ("attn_mass",)
 
     recent_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.recent_ratio, bool) or not 0 <= self.recent_ratio <= 1:
+        if not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be a number in [0, 1], got {self.recent_ratio!r}")
 
-    def _with_recent(self, mass: torch.Tensor, pos: torch.Tensor, n_kept: int) -> torch.Tensor:
-        return protect_recent(mass, pos, int(self.recent_ratio * n_kept))
+    def _with_recent(self, mass: torch.Tensor, pos: torch.Tensor, n_kept: torch.Tensor | int) -> torch.Tensor:
+        n_recent = (torch.as_tensor(n_kept, device=pos.device).double() * self.recent_ratio).floor().long()
+        return protect_recent(mass, pos, n_recent)
 
     def score(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
         t = keys.shape[2]
@@ -63,8 +66,11 @@ class H2OPress(PiKVScorerPress):
         pos = torch.arange(t, device=keys.device).expand_as(stats.mass)
         return keep_newest(self._with_recent(stats.mass, pos, compute_n_kept(t, self.compression_ratio)))
 
-    def decode_scores(self, layer: PiKVLayer, n_kept: int) -> torch.Tensor:
-        if "attn_mass" not in layer.store.pool.fields:
-            raise ValueError("H2OPress scores decoding from accumulated attention: build PiKVCache(track_stats=True)")
-        view = layer.view_index()
-        return self._with_recent(layer.view_field("attn_mass", view), view.pos, n_kept)
+    def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        layout = KeyLayout.of(layer, view)
+        stats = attention_statistics(module, kwargs["hidden_states"], view.keys, kwargs, False, layout)
+        return self._with_recent(stats.mass, view.rel_pos, self.budget(module, view))
+
+    def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
+        return self._with_recent(layer.slot_stat("attn_mass", view), view.rel_pos, n_kept)

@@ -9,12 +9,14 @@ from torch import nn
 
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVScorerPress, keep_newest
+from pikv_hf.presses.lru_press import relative, view_statistics
 from pikv_hf.presses.queries import attention_statistics
+from pikv_hf.view import DenseView
 
 
 def recency_frequency(last: torch.Tensor, hits: torch.Tensor, pos: torch.Tensor, weight: float) -> torch.Tensor:
     """``(1 - weight) * recency / now + weight * hits / max hits``, per (row, head); both terms in ``[0, 1]``, ties
-    to the newer token."""
+    to the newer token (``pos``, ``last``: positions counted from the row's first real token)."""
     now = pos.amax(-1, keepdim=True).clamp(min=1).double()
     most = hits.amax(-1, keepdim=True).clamp(min=1).double()
     blend = (1 - weight) * torch.maximum(last, pos).double() / now + weight * hits.double() / most
@@ -36,12 +38,13 @@ class LRUPlusPress(PiKVScorerPress):
     """
 
     recomputes_queries = True
+    decode_stats = ("last_access", "hits")
 
     frequency_weight: float = 0.5
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.frequency_weight, bool) or not 0 <= self.frequency_weight <= 1:
+        if not 0 <= self.frequency_weight <= 1:
             raise ValueError(f"frequency_weight must be a number in [0, 1], got {self.frequency_weight!r}")
 
     def score(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
@@ -49,9 +52,11 @@ class LRUPlusPress(PiKVScorerPress):
         pos = torch.arange(keys.shape[2], device=keys.device).expand_as(stats.hits)
         return keep_newest(recency_frequency(stats.last_hit, stats.hits, pos, self.frequency_weight))
 
-    def decode_scores(self, layer: PiKVLayer, n_kept: int) -> torch.Tensor:
-        if "hits" not in layer.store.pool.fields:
-            raise ValueError("LRUPlusPress scores decoding from token uses: build PiKVCache(track_stats=True)")
-        view = layer.view_index()
-        last, hits = (layer.view_field(n, view).long() for n in ("last_access", "hits"))
-        return recency_frequency(last, hits, view.pos, self.frequency_weight)
+    def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
+        stats = view_statistics(module, kwargs, view)
+        return recency_frequency(relative(stats.last_hit, view), stats.hits, view.rel_pos, self.frequency_weight)
+
+    def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
+        last = relative(layer.slot_stat("last_access", view).long(), view)
+        hits = layer.slot_stat("hits", view).long().masked_fill(~view.valid, 0)
+        return recency_frequency(last, hits, view.rel_pos, self.frequency_weight)

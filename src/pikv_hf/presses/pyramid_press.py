@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from kvpress.presses.scorer_press import ScorerPress
@@ -12,6 +11,7 @@ from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.presses.base import PiKVScorerPress
+from pikv_hf.view import DenseView
 
 
 def pyramid_budgets(length: int, num_layers: int, compression_ratio: float, slope: float) -> list[int]:
@@ -58,14 +58,11 @@ class PyramidPress(PiKVScorerPress):
 
     scorer: ScorerPress = field(default_factory=SnapKVPress)
     slope: float = 0.5
-    replays_prefill: ClassVar[bool] = True  # its prefill hook may be replayed on a copy of the cache (eval)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.slope, bool) or not isinstance(self.slope, (int, float)) or not 0 <= self.slope <= 1:
+        if not 0 <= self.slope <= 1:
             raise ValueError(f"slope must be a number in [0, 1], got {self.slope!r}")
-        if not isinstance(self.scorer, ScorerPress):
-            raise ValueError(f"scorer must be a kvpress ScorerPress, got {type(self.scorer).__name__}")
 
     def post_init_from_model(self, model: nn.Module) -> None:
         self.scorer.post_init_from_model(model)
@@ -73,14 +70,21 @@ class PyramidPress(PiKVScorerPress):
     def score(self, module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
         return self.scorer.score(module, hidden_states, keys, values, attentions, kwargs)
 
-    def budget(self, module: nn.Module, length: int) -> int:
+    def layer_budget(self, module: nn.Module, length: int) -> int:
         """Tokens layer ``module.layer_idx`` keeps of ``length``."""
         layers = module.config.get_text_config().num_hidden_layers
         return pyramid_budgets(length, layers, self.compression_ratio, self.slope)[module.layer_idx]
 
-    def layer_ratio(self, module: nn.Module, length: int) -> float:
-        kept = self.budget(module, length)
-        return 0.0 if kept >= length else 1 - (kept + 0.5) / length  # compute_n_kept(length, ratio) == kept
+    def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
+        if isinstance(self.scorer, PiKVScorerPress):
+            return self.scorer.score_view(module, kwargs, view, attentions)
+        return super().score_view(module, kwargs, view, attentions)
+
+    def budget(self, module: nn.Module, view: DenseView) -> torch.Tensor:
+        """``[B, H]``: the pyramid share of layer ``module.layer_idx`` of each (row, head)'s own tokens."""
+        counts = view.count
+        kept = {n: self.layer_budget(module, n) for n in counts.unique().tolist()}
+        return counts.cpu().apply_(kept.__getitem__).to(counts.device)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """DynamicCache: layers of different lengths cannot share the model's one attention mask, so the evicted
@@ -90,7 +94,7 @@ class PyramidPress(PiKVScorerPress):
             return keys, values
         b, h, t, _ = keys.shape
         scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
-        drop = scores.topk(t - self.budget(module, t), dim=-1, largest=False).indices  # [B, H, n]
+        drop = scores.topk(t - self.layer_budget(module, t), dim=-1, largest=False).indices  # [B, H, n]
         rows = torch.arange(b, device=drop.device).view(b, 1, 1).expand_as(drop)
         heads = torch.arange(h, device=drop.device).view(1, h, 1).expand_as(drop)
         module.masked_key_indices = (rows.reshape(-1), heads.reshape(-1), drop.reshape(-1))

@@ -77,14 +77,37 @@ class AttentionStatistics:
 _MEMO: dict[int, dict] = {}  # id(hidden states) -> {(module, keys shape): statistics}, dropped with the tensor
 
 
+@dataclass
+class KeyLayout:
+    """Where keys sit and which queries count, for :func:`attention_statistics` over a PiKVCache view: key positions
+    ``pos`` and ``valid`` (``[B, H, T]``), the queries' positions ``query_pos`` (``[q]``) and ``query_ok`` (``[B, q]``,
+    False for left padding, or None). Without one, key ``j`` is position ``j`` and the queries are the last ``q``."""
+
+    pos: torch.Tensor
+    valid: torch.Tensor
+    query_pos: torch.Tensor
+    query_ok: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, layer, view) -> KeyLayout:
+        """The layout of a PiKVCache layer's ``view`` for the queries of its latest update (the forward's padding)."""
+        return cls(view.pos, view.valid, layer.last_positions, layer.forward.present)
+
+
 def attention_statistics(
-    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict, with_hits: bool = True
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    kwargs: dict,
+    with_hits: bool = True,
+    layout: KeyLayout | None = None,
 ) -> AttentionStatistics:
-    """Causal attention statistics of the queries of ``hidden_states`` (``[B, q, hidden]``, the last ``q`` of the
-    ``T`` tokens: the whole prefill, or hidden states buffered over decode steps) over ``keys`` (``[B, H, T, D]``,
-    position-ordered): the query of token ``i`` sees tokens ``0 .. i``; a key is *hit*
-    by it when the probability the query's ``G`` rows give it, summed, exceeds ``G`` over the number of keys the query
-    sees (sliding-window layers see their window). Attention sinks (GPT-OSS ``s_aux``) are not modelled.
+    """Causal attention statistics of the queries of ``hidden_states`` (``[B, q, hidden]``: the whole prefill, or
+    hidden states buffered over decode steps) over ``keys`` (``[B, H, T, D]``, position-ordered): a query sees the
+    keys at or before its position (within the window on sliding layers); a key is *hit* by it when the probability
+    the query's ``G`` rows give it, summed, exceeds ``G`` over the number of keys the query sees. Attention sinks
+    (GPT-OSS ``s_aux``) are not modelled. With a ``layout`` (a PiKVCache view) positions come from it, and padding
+    queries or entries take no part: a row of a padded batch gets the statistics it gets alone.
 
     ``with_hits=False`` computes the mass alone (H2O), about half the work; ``hits`` and ``last_hit`` are then None.
     The result is remembered for these very ``hidden_states`` (a weak reference: it goes with them), so presses
@@ -94,45 +117,59 @@ def attention_statistics(
         _MEMO[id(hidden_states)] = {}
         weakref.finalize(hidden_states, _MEMO.pop, id(hidden_states), None)
     memo = _MEMO[id(hidden_states)]
-    key = (id(module), tuple(keys.shape))
+    key = (id(module), tuple(keys.shape), layout is None)
     if key not in memo or (with_hits and memo[key].hits is None):
-        memo[key] = _attention_statistics(module, hidden_states, keys, kwargs, with_hits)
+        memo[key] = _attention_statistics(module, hidden_states, keys, kwargs, with_hits, layout)
     return memo[key]
 
 
 def _attention_statistics(
-    module: nn.Module, hidden_states: torch.Tensor, keys: torch.Tensor, kwargs: dict, with_hits: bool
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    keys: torch.Tensor,
+    kwargs: dict,
+    with_hits: bool,
+    layout: KeyLayout | None,
 ) -> AttentionStatistics:
-    t = keys.shape[2]
-    first = t - hidden_states.shape[1]
-    queries = model_queries(module, hidden_states, kwargs, torch.arange(first, t, device=keys.device))  # [B,Hq,q,D]
-    b, hq, n, d = queries.shape
-    h = keys.shape[1]
+    b, h, t, _ = keys.shape
+    n = hidden_states.shape[1]
+    device = keys.device
+    if layout is None:
+        layout = KeyLayout(
+            torch.arange(t, device=device).expand(b, h, t), torch.ones(b, h, t, dtype=torch.bool, device=device),
+            torch.arange(t - n, t, device=device),
+        )  # fmt: skip
+    queries = model_queries(module, hidden_states, kwargs, layout.query_pos)  # [B, Hq, q, D]
+    hq, d = queries.shape[1], queries.shape[3]
     g = hq // h
     scale = getattr(module, "scaling", d**-0.5)
     window = getattr(module, "sliding_window", None)
-    mass = torch.zeros(b, h, t, device=keys.device)
-    hits = torch.zeros(b, h, t, dtype=torch.int64, device=keys.device)
-    last = torch.full((b, h, t), -1, dtype=torch.int64, device=keys.device)
-    # query chunks bound the [B, Hq, chunk, keys] scores; a chunk scores only the keys its last query can see
+    mass = torch.zeros(b, h, t, device=device)
+    hits = torch.zeros(b, h, t, dtype=torch.int64, device=device)
+    last = torch.full((b, h, t), -1, dtype=torch.int64, device=device)
+    query_ok = torch.ones(b, n, dtype=torch.bool, device=device) if layout.query_ok is None else layout.query_ok
+    # query chunks bound the [B, Hq, chunk, keys] scores; a chunk scores only the keys its last query can see (keys
+    # are position-ordered, so those are a prefix of every row)
     chunk = min(max(1, _SCORE_BUDGET_BYTES // max(1, b * hq * t * 4)), max(64, -(-n // 8)))
-    key_pos = torch.arange(t, device=keys.device)
     keys32 = keys.float()
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        end = first + stop  # keys [0, end) hold everything these queries see
-        index = torch.arange(start, stop, device=keys.device)
-        rows = index + first  # token positions of these queries
-        qc = queries[:, :, index].reshape(b, h, g, len(index), d)
+        qpos = layout.query_pos[start:stop]
+        end = int(((layout.pos <= qpos[-1]) & layout.valid).sum(-1).max())
+        qc = queries[:, :, start:stop].reshape(b, h, g, stop - start, d)
         logits = torch.einsum("bhgqd,bhkd->bhgqk", qc.float(), keys32[:, :, :end]) * scale
-        rel = rows.view(-1, 1) - key_pos[:end].view(1, -1)  # [q, end] query - key distance
-        visible = (rel >= 0) & (rel < window) if window else rel >= 0
-        prob = logits.masked_fill(~visible, float("-inf")).softmax(-1).sum(2)  # [B, H, q, end], summed over G
+        rel = qpos.view(1, 1, -1, 1) - layout.pos[:, :, None, :end]  # [B, H, q, end] query - key distance
+        visible = (rel >= 0) & layout.valid[:, :, None, :end] & query_ok[:, None, start:stop, None]
+        if window:
+            visible &= rel < window
+        prob = logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1)
+        prob = prob.nan_to_num(0.0).sum(2)  # [B, H, q, end], summed over G; a query that sees nothing gives 0
         mass[..., :end] += prob.sum(2)
         if with_hits:
-            hit = prob > (g / visible.sum(-1).float()).view(1, 1, -1, 1)
+            hit = prob > g / visible.sum(-1, keepdim=True).float()
             hits[..., :end] += hit.sum(2)
-            last[..., :end] = torch.maximum(last[..., :end], torch.where(hit, rows.view(1, 1, -1, 1), -1).amax(2))
+            hit_pos = torch.where(hit, qpos.view(1, 1, -1, 1), -1).amax(2)
+            last[..., :end] = torch.maximum(last[..., :end], hit_pos)
     if not with_hits:
         return AttentionStatistics(mass=mass, hits=None, last_hit=None)
     return AttentionStatistics(mass=mass, hits=hits, last_hit=last)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from kvpress.attention_patch import search_hyperplane
@@ -13,7 +14,8 @@ from kvpress.presses.scorer_press import ScorerPress
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_int_at_least, check_ratio
+from pikv_hf.checks import check_field_types, check_int_at_least, check_ratio
+from pikv_hf.config import ReadConfig
 from pikv_hf.presses.queries import model_queries
 from pikv_hf.routing.expert import decoder_layers
 from pikv_hf.routing.scores import descending_rank, upper_bounds
@@ -45,20 +47,22 @@ def quest_pages(
     return read.repeat_interleave(page_size, dim=-1)[..., :t]
 
 
-@dataclass
+@dataclass(init=False)
 class QuestPress(DecodingPress):
     """Quest (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024): each
     decode query reads only ``ceil((1 - compression_ratio) * pages)`` pages of its (row, KV head): the pages holding
     sink or recent-window tokens, then those with the largest upper bound of ``q . k`` from per-page key min / max.
     Nothing is evicted: the ratio is the share of the KV a decode step does not read.
 
-    On a ``PiKVCache`` the press switches the cache to its Quest read policy (``attention="quest"``, pages of the
-    cache's ``page_size``, bounds kept incrementally). On a ``DynamicCache`` a hook before every decode step's
-    attention computes the query, selects pages of ``page_size`` tokens and replaces the other cached keys, for that
-    step only, by a key no query of the head attends to (kvpress's ``search_hyperplane``); the hook after the step
-    puts the real keys back. (kvpress's own head-wise masking writes its fake keys into the cache for good, which is
-    right for a fixed mask but not for a selection that changes at every step.) It is a kvpress ``DecodingPress`` so
-    that kvpress's pipeline keeps it active while answering.
+    On a ``PiKVCache`` the press sets the cache's read policy to Quest with its own ratio before every layer's
+    attention (``attention="quest"``, ``read_fraction = 1 - compression_ratio``, pages of the cache's ``page_size``,
+    bounds kept incrementally), whatever mode the cache was in; the cache keeps that mode after the press. On a
+    ``DynamicCache`` a hook before every decode step's attention computes the query, selects pages of ``page_size``
+    tokens and replaces the other cached keys, for that step only, by a key no query of the head attends to
+    (kvpress's ``search_hyperplane``); the hook after the step puts the real keys back. (kvpress's own head-wise
+    masking writes its fake keys into the cache for good, which is right for a fixed mask but not for a selection
+    that changes at every step.) It is a kvpress ``DecodingPress`` so that kvpress's pipeline keeps it active while
+    answering.
 
     Parameters
     ----------
@@ -70,25 +74,41 @@ class QuestPress(DecodingPress):
         First and most recent tokens whose pages are always read.
     """
 
-    base_press: ScorerPress = field(default_factory=ScorerPress)
     compression_ratio: float = 0.0
     page_size: int = 16
     n_sink: int = 4
     window: int = 64
 
+    def __init__(self, compression_ratio: float = 0.0, page_size: int = 16, n_sink: int = 4, window: int = 64):
+        # the ratio comes first, as in every kvpress press; DecodingPress's own fields keep their defaults (its
+        # base press is never called: Quest selects, it does not evict)
+        self.base_press = ScorerPress()
+        self.compression_interval, self.target_size, self.hidden_states_buffer_size = 512, 2048, 256
+        self.compression_ratio, self.page_size, self.n_sink, self.window = compression_ratio, page_size, n_sink, window
+        self.__post_init__()
+
     def __post_init__(self) -> None:
-        self._real_keys: dict[int, torch.Tensor] = {}
+        check_field_types(self)
         check_ratio("compression_ratio", self.compression_ratio)
         check_int_at_least("page_size", self.page_size, 1)
         check_int_at_least("n_sink", self.n_sink, 0)
         check_int_at_least("window", self.window, 1)
+        self._real_keys: dict[int, torch.Tensor] = {}
+
+    def read_config(self, cache: PiKVCache) -> ReadConfig:
+        """The cache's read settings with this press's Quest selection (its other options, e.g. ``sparse_from``,
+        kept)."""
+        return dataclasses.replace(
+            cache.read,
+            attention="quest",
+            read_fraction=1 - self.compression_ratio,
+            n_sink=self.n_sink,
+            window=self.window,
+            mass_target=None,
+        )
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs["past_key_values"]
-        if isinstance(cache, PiKVCache) and cache.read.attention != "quest" and self.compression_ratio:
-            cache.set_attention(
-                "quest", read_fraction=1 - self.compression_ratio, n_sink=self.n_sink, window=self.window
-            )
         real = self._real_keys.pop(module.layer_idx, None)
         if real is not None:  # the step is over: the real keys go back, followed by the step's new ones
             layer = cache.layers[module.layer_idx]
@@ -96,10 +116,16 @@ class QuestPress(DecodingPress):
         return output
 
     def _select(self, module: nn.Module, args, kwargs: dict) -> None:
-        """Before a DynamicCache decode step's attention: hide the keys of the pages the query does not read."""
+        """Before a layer's attention: on a PiKVCache, its Quest read settings; before a DynamicCache decode step's
+        attention, hide the keys of the pages the query does not read."""
         cache = kwargs.get("past_key_values")
         hidden = kwargs["hidden_states"]
-        if isinstance(cache, PiKVCache) or hidden.shape[1] != 1 or not self.compression_ratio:
+        if isinstance(cache, PiKVCache):
+            wanted = self.read_config(cache)
+            if cache.read != wanted:
+                cache.set_attention(wanted)
+            return
+        if hidden.shape[1] != 1 or not self.compression_ratio:
             return
         layer = cache.layers[module.layer_idx] if cache is not None and module.layer_idx < len(cache.layers) else None
         if layer is None or layer.keys is None or not layer.keys.numel():

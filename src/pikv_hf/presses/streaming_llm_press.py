@@ -10,19 +10,22 @@ from torch import nn
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVScorerPress
+from pikv_hf.view import DenseView
 
 
-def sink_recent_scores(pos: torch.Tensor, n_sink: int) -> torch.Tensor:
-    """``[B, H, T]`` scores ranking the first ``n_sink`` positions first, then the most recent, older last."""
-    pos = pos.float()
-    return torch.where(pos < n_sink, float("inf"), pos)
+def sink_recent_scores(rel_pos: torch.Tensor, n_sink: int) -> torch.Tensor:
+    """``[B, H, T]`` scores ranking the first ``n_sink`` positions of each row first, then the most recent, older
+    last (``rel_pos``: positions counted from the row's first real token; ``-1``: padding)."""
+    pos = rel_pos.float()
+    return torch.where((rel_pos >= 0) & (rel_pos < n_sink), float("inf"), pos)
 
 
 @dataclass
 class StreamingLLMPress(PiKVScorerPress):
     """StreamingLLM (Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024): keep the
-    first ``n_sink`` tokens (attention sinks) and the most recent ones, ``compute_n_kept(T, compression_ratio)`` per
-    (row, KV head) in all. Scores depend on position only, so prefill and decode-time budgets need no statistics.
+    first ``n_sink`` tokens of each row (attention sinks: its first real tokens, after any left padding) and the most
+    recent ones, ``compute_n_kept(T, compression_ratio)`` per (row, KV head) in all. Scores depend on position only,
+    so prefill and decode-time budgets need no statistics.
 
     Parameters
     ----------
@@ -42,5 +45,8 @@ class StreamingLLMPress(PiKVScorerPress):
         b, h, t, _ = keys.shape
         return sink_recent_scores(torch.arange(t, device=keys.device).expand(b, h, t), self.n_sink)
 
-    def decode_scores(self, layer: PiKVLayer, n_kept: int) -> torch.Tensor:
-        return sink_recent_scores(layer.view_index().pos, self.n_sink)
+    def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
+        return sink_recent_scores(view.rel_pos, self.n_sink)
+
+    def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
+        return sink_recent_scores(view.rel_pos, self.n_sink)

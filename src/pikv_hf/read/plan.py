@@ -1,7 +1,9 @@
 """``ReadPlan``: what one attention call reads from a layer's store, per batch row and KV head.
 
 A plan is produced by a read policy (``exact``, ``routed``, ``quest``) and consumed by an attention backend. It
-names pages by their local index in each (row, head)'s page-table run; the backend maps them to pool pages.
+names pages by their local index in each (row, head)'s page-table run; the backend maps them to pool pages. A sparse
+plan has a width fixed by the store's frame and the policy's budget (not by the data): entries past a (row, head)'s
+own budget are ``-1``, so the shapes of a decode step do not depend on what it selects.
 """
 
 from __future__ import annotations
@@ -41,9 +43,20 @@ class ReadPlan:
 
 
 def sink_or_recent(
-    pos: torch.Tensor, qpos_last: int, n_sink: int, window: int, row_start: torch.Tensor
+    pos: torch.Tensor, qpos_last: torch.Tensor, n_sink: int, window: int, row_start: torch.Tensor
 ) -> torch.Tensor:
     """``[B, H, C]`` bool: slots at positions ``pos`` (``[B, H, C]``) that are one of their row's first ``n_sink`` real
-    tokens or among the last ``window`` positions before ``qpos_last``."""
-    rel_start = pos.to(torch.int64) - row_start.view(-1, 1, 1)
-    return ((rel_start >= 0) & (rel_start < n_sink)) | (pos > qpos_last - window)
+    tokens or among the last ``window`` positions up to ``qpos_last`` (a 0-d or one-element tensor: no host read)."""
+    pos = pos.to(torch.int64)
+    rel_start = pos - row_start.view(-1, 1, 1)
+    return ((rel_start >= 0) & (rel_start < n_sink)) | (pos > qpos_last.reshape(()) - window)
+
+
+def compact(need: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, H, width]`` indices of the True entries of ``need`` (``[B, H, W]``) in order, ``-1`` padded; entries
+    past ``width`` are dropped. Linear time (a prefix sum and a scatter), shapes independent of the data."""
+    rank = need.cumsum(-1) - 1
+    at = torch.where(need & (rank < width), rank, width)
+    out = torch.full((*need.shape[:-1], width + 1), -1, dtype=torch.int64, device=need.device)
+    index = torch.arange(need.shape[-1], device=need.device).expand_as(at)
+    return out.scatter_(-1, at, index)[..., :width]  # everything dropped lands in the extra column, cut here

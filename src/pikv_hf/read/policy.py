@@ -1,11 +1,13 @@
-"""Read policies: turn a decode query into a ``ReadPlan`` over a layer's store.
+"""Read policies: turn a decode query into one ``ReadPlan`` per store of a layer.
 
-``ExactRead`` reads everything. ``RoutedRead`` (``routed.py``) selects shards from the shard summaries,
-``QuestRead`` (``quest.py``) selects pages from per-page key bounds; both always read the pages that hold the row's
-sink tokens and the recent window. ``make_policy`` picks one from a ``ReadConfig`` and a layer index.
+``ExactRead`` reads everything. Sparse policies register themselves by mode name (``@register("routed")`` in
+``routed.py``, ``@register("quest")`` in ``quest.py``); ``make_policy`` looks the mode up, so this module imports
+none of them. Sparse policies always read the pages that hold the row's sink tokens and recent window.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -14,28 +16,33 @@ from pikv_hf.read.plan import ReadPlan, sink_or_recent
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
 
+POLICIES: dict[str, type[ExactRead]] = {}
+
+
+def register(mode: str) -> Callable[[type[ExactRead]], type[ExactRead]]:
+    """Class decorator: the policy of ``ReadConfig.attention == mode``."""
+
+    def add(cls: type[ExactRead]) -> type[ExactRead]:
+        POLICIES[mode] = cls
+        return cls
+
+    return add
+
 
 class ExactRead:
     """Every page (exact attention); also the policy of ``dense_layers`` under a sparse mode."""
 
+    sparse = False
+
     def __init__(self, config: ReadConfig) -> None:
         self.config = config
 
-    def plan(
-        self, store: PagedStore, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
-    ) -> ReadPlan:
-        return ReadPlan()
-
     def plans(
-        self,
-        group: StoreGroup,
-        qg: torch.Tensor,
-        scale: float,
-        qpos_last: int,
-        row_start: torch.Tensor,
+        self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos: torch.Tensor, row_start: torch.Tensor
     ) -> list[ReadPlan]:
-        """One plan per store of ``group`` (the hot store first, then its tiers)."""
-        return [self.plan(s, qg.to(s.device), scale, qpos_last, row_start.to(s.device)) for s in group.stores]
+        """One plan per store of ``group`` (the hot store first, then its tiers) for the query rows ``qg``
+        (``[B, H, G, D]``) of the token at position ``qpos`` (one-element tensor)."""
+        return [ReadPlan() for _ in group.stores]
 
     def learns(self) -> bool:
         return False
@@ -53,26 +60,17 @@ class ExactRead:
         """Forget per-sequence state."""
 
 
-def special_pages(store: PagedStore, qpos_last: int, n_sink: int, window: int, row_start: torch.Tensor) -> torch.Tensor:
+def special_pages(
+    store: PagedStore, qpos: torch.Tensor, n_sink: int, window: int, row_start: torch.Tensor
+) -> torch.Tensor:
     """``[B, H, W]`` bool: frame pages holding a valid sink or recent-window token (always read)."""
     b, h, w, p = store.batch, store.heads, store.table.width(), store.page_size
-    hot = store.frame("valid") & sink_or_recent(store.frame("pos"), qpos_last, n_sink, window, row_start)
+    hot = store.frame("valid") & sink_or_recent(store.frame("pos"), qpos, n_sink, window, row_start)
     return hot.view(b, h, w, p).any(-1)
-
-
-def pages_from_mask(need: torch.Tensor) -> torch.Tensor:
-    """``[B, H, n]`` local page indices of the True entries of ``need`` (``[B, H, W]``), ``-1`` padded to the
-    largest count."""
-    n_read = need.sum(-1, keepdim=True)
-    pages = torch.argsort((~need).to(torch.uint8), dim=-1, stable=True)[..., : int(n_read.max())]
-    return torch.where(torch.arange(pages.shape[-1], device=need.device) < n_read, pages, -1)
 
 
 def make_policy(config: ReadConfig, layer_idx: int) -> ExactRead:
     """The read policy of layer ``layer_idx`` under ``config`` (exact for the first ``dense_layers``)."""
-    from pikv_hf.read.quest import QuestRead
-    from pikv_hf.read.routed import RoutedRead
-
     if config.attention == "exact" or layer_idx < config.dense_layers:
         return ExactRead(config)
-    return RoutedRead(config) if config.attention == "routed" else QuestRead(config)
+    return POLICIES[config.attention](config)

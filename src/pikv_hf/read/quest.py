@@ -4,24 +4,37 @@ the largest upper bound of ``q . k`` from per-page key min / max; every token of
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pikv_hf.read.plan import ReadPlan
-from pikv_hf.read.policy import ExactRead, pages_from_mask, special_pages
-from pikv_hf.routing.scores import descending_rank, upper_bounds
+from pikv_hf.read.policy import ExactRead, register, special_pages
+from pikv_hf.routing.scores import upper_bounds
 from pikv_hf.store import PagedStore
+from pikv_hf.store.group import StoreGroup
 
 
+@register("quest")
 class QuestRead(ExactRead):
-    """Per-page selection from incrementally kept page key bounds."""
+    """Per-page selection from incrementally kept page key bounds; the plan is ``ceil(read_fraction * W)`` pages wide
+    for a frame of ``W`` pages (each (row, head) fills its own budget of ``ceil(read_fraction * n_pages)``)."""
 
-    def plan(
-        self, store: PagedStore, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
-    ) -> ReadPlan:
+    sparse = True
+
+    def plans(
+        self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos: torch.Tensor, row_start: torch.Tensor
+    ) -> list[ReadPlan]:
+        return [self.plan(s, qg.to(s.device), qpos.to(s.device), row_start.to(s.device)) for s in group.stores]
+
+    def plan(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> ReadPlan:
         cfg = self.config
         store.enable_page_bounds()
         key_min, key_max, count = store.page_bounds()
-        special = special_pages(store, qpos_last, cfg.n_sink, cfg.window, row_start)
+        special = special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
         score = upper_bounds(qg, key_min, key_max, count).masked_fill(special, float("inf"))
         budget = torch.ceil(store.table.n_pages * cfg.read_fraction).long()  # [B, H]
-        return ReadPlan(pages_from_mask((descending_rank(score) < budget.unsqueeze(-1)) & (count > 0)))
+        width = min(store.table.width(), math.ceil(cfg.read_fraction * store.table.width()))
+        order = score.argsort(dim=-1, descending=True, stable=True)[..., :width]  # ties to the earlier page
+        take = (torch.arange(width, device=store.device) < budget.unsqueeze(-1)) & (count.gather(2, order) > 0)
+        return ReadPlan(torch.where(take, order, -1))

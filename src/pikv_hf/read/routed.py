@@ -1,13 +1,18 @@
 """Routed reads (PiKV Routing): each decode query reads, per row and KV head, the pages of its selected shards,
-plus the pages holding its row's sinks and recent window (of those, only the sink / recent tokens count)."""
+plus the pages holding its row's sinks and recent window (of those, only the sink / recent tokens count).
+
+A plan is as wide as the store's frame (any page may belong to a selected shard), its pages compacted to the front
+and ``-1`` padded: a step's shapes never depend on what it selects. The fused kernel reads only the entries in use;
+the torch path on the CPU, where nothing needs to stay on the device, trims the padding first.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from pikv_hf.config import ReadConfig
-from pikv_hf.read.plan import ReadPlan
-from pikv_hf.read.policy import ExactRead, pages_from_mask, special_pages
+from pikv_hf.read.plan import ReadPlan, compact
+from pikv_hf.read.policy import ExactRead, register, special_pages
 from pikv_hf.routing import Selector, make_selector
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.routing.scores import estimated_mass
@@ -15,8 +20,11 @@ from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
 
 
+@register("routed")
 class RoutedRead(ExactRead):
     """Shard selection by the configured selector, optionally cut to a mass target (top-p)."""
+
+    sparse = True
 
     def __init__(self, config: ReadConfig) -> None:
         super().__init__(config)
@@ -25,20 +33,21 @@ class RoutedRead(ExactRead):
         self.shard_evicted: torch.Tensor | None = None  # [B, H, S]
         self._last: tuple[ShardSummary, torch.Tensor] | None = None  # (summary, selected) of the last plan
 
-    def plan(
-        self, store: PagedStore, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
-    ) -> ReadPlan:
-        return self.read_shards(store, self.choose(store, qg, scale), qpos_last, row_start)
-
     def plans(
-        self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos_last: int, row_start: torch.Tensor
+        self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos: torch.Tensor, row_start: torch.Tensor
     ) -> list[ReadPlan]:
         """Shards chosen once from the statistics of every store, then read from each store that holds them."""
-        chosen = self.choose(group, qg, scale)
-        return [self.read_shards(s, chosen.to(s.device), qpos_last, row_start.to(s.device)) for s in group.stores]
+        selected, keep = self.choose(group, qg, scale)
+        return [
+            self.read_shards(s, selected.to(s.device), keep.to(s.device), qpos.to(s.device), row_start.to(s.device))
+            for s in group.stores
+        ]
 
-    def choose(self, store: PagedStore, qg: torch.Tensor, scale: float) -> torch.Tensor:
-        """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) select from ``store.summary``.
+    def choose(
+        self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shards the query rows ``qg`` (``[B, H, G, D]``) select from ``store.summary``: ``[B, H, k]`` shard ids,
+        best first, and ``[B, H, k]`` bool, False past the shortest prefix reaching the mass target.
 
         ``store`` may be any object with ``batch``, ``heads``, ``num_shards``, ``device`` and ``summary(misses)``:
         a distributed layer chooses once from the statistics of all its shards (``pikv_hf.distributed``).
@@ -57,15 +66,26 @@ class RoutedRead(ExactRead):
         lost = ~summary.resident if self.shard_evicted is None else (self.shard_evicted > 0) | ~summary.resident
         self.misses += (chosen & lost).long()  # selected shards that lost tokens to eviction or sit off-device
         self._last = (summary, selected)
-        return chosen
+        return selected, keep
 
-    def read_shards(self, store: PagedStore, chosen: torch.Tensor, qpos_last: int, row_start: torch.Tensor) -> ReadPlan:
-        """The plan reading, from ``store``, the pages of the ``chosen`` shards (``[B, H, S]`` bool) and the pages
-        holding the row's sink and recent-window tokens (of those, only the sink / recent tokens count)."""
+    def read_shards(
+        self,
+        store: PagedStore,
+        selected: torch.Tensor,
+        keep: torch.Tensor,
+        qpos: torch.Tensor,
+        row_start: torch.Tensor,
+    ) -> ReadPlan:
+        """The plan reading, from ``store``, the pages of the shards ``selected`` where ``keep`` (both ``[B, H, k]``),
+        and the pages holding the row's sink and recent-window tokens (of those, only the sink / recent tokens
+        count)."""
         cfg = self.config
+        chosen = torch.zeros(*selected.shape[:2], store.num_shards, dtype=torch.bool, device=store.device)
+        chosen.scatter_(2, selected, keep)
         page_shard = store.frame("shard").long()
         full = chosen.gather(2, page_shard.clamp(min=0)) & (page_shard >= 0)
-        pages = pages_from_mask(full | special_pages(store, qpos_last, cfg.n_sink, cfg.window, row_start))
+        need = full | special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
+        pages = compact(need, store.table.width())
         page_full = full.gather(2, pages.clamp(min=0)) & (pages >= 0)
         return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start)
 

@@ -33,6 +33,12 @@ class PlacementContext:
         Tokens per page of the store.
     num_shards : int
         Number of shards ``S``; every returned id must lie in ``[0, S)``.
+    present : torch.Tensor, optional
+        ``[B, q]`` bool, False for left padding (stored nowhere: its shard does not matter and it must not shape
+        the placement of real tokens); None: every token is real.
+    row_start : torch.Tensor, optional
+        ``[B]`` int64 position of each row's first real token; ``token_index - row_start`` numbers a row's tokens
+        as if it were alone.
     """
 
     layer_idx: int
@@ -40,6 +46,13 @@ class PlacementContext:
     token_index: torch.Tensor
     page_size: int
     num_shards: int
+    present: torch.Tensor | None = None
+    row_start: torch.Tensor | None = None
+
+    def row_index(self) -> torch.Tensor:
+        """``[B, q]`` (or ``[1, q]`` without left padding) ordinal of every new token within its own row."""
+        index = self.token_index.view(1, -1)
+        return index if self.row_start is None else index - self.row_start.view(-1, 1)
 
 
 class Placement:
@@ -120,7 +133,8 @@ class Selector:
 
 
 def check_select_args(query: torch.Tensor, summary: ShardSummary, k: int) -> None:
-    """Validate selector inputs; raises ``ValueError`` naming the bad parameter."""
+    """Validate selector inputs from their shapes (no tensor values are read: selection runs inside decode steps);
+    raises ``ValueError`` naming the bad parameter."""
     if query.dim() != 4:
         raise ValueError(f"query must be [B, H, G, D], got shape {tuple(query.shape)}")
     b, h, _, d = query.shape
@@ -134,5 +148,3 @@ def check_select_args(query: torch.Tensor, summary: ShardSummary, k: int) -> Non
         )
     if not 1 <= int(k) <= s:
         raise ValueError(f"k (top_k_shards) must be in [1, {s}] (number of shards), got {k}")
-    if int(summary.counts.sum()) == 0:
-        raise ValueError("summary holds no tokens (select called before any token was stored in this layer)")

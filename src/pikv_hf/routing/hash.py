@@ -10,8 +10,9 @@ from pikv_hf.routing.base import Placement, PlacementContext
 class RoundRobinPlacement(Placement):
     """Page-granular round robin, the PiKV paper's hash router.
 
-    Token ``t`` (its ordinal in the layer's sequence) goes to shard ``(t // P) % S``: every shard receives whole
-    pages in turn, so at most one page per sequence is partially filled and shards stay balanced to one page.
+    Token ``t`` (its ordinal in its row, counted from the row's first real token) goes to shard ``(t // P) % S``:
+    every shard receives whole pages in turn, so at most one page per sequence is partially filled and shards stay
+    balanced to one page; a row of a left-padded batch is placed as it would be alone.
     Carries no content signal; it is the baseline every content-aware router is measured against.
     """
 
@@ -19,5 +20,5 @@ class RoundRobinPlacement(Placement):
 
     def place(self, ctx: PlacementContext) -> torch.Tensor:
         b, h, q, _ = ctx.keys.shape
-        shard = (ctx.token_index // ctx.page_size) % self.num_shards
-        return shard.to(device=ctx.keys.device, dtype=torch.int64).view(1, 1, q).expand(b, h, q)
+        shard = (ctx.row_index().clamp(min=0) // ctx.page_size) % self.num_shards
+        return shard.to(device=ctx.keys.device, dtype=torch.int64).unsqueeze(1).expand(b, h, q)

@@ -11,13 +11,15 @@ from pikv_hf.routing.base import Placement, PlacementContext
 class KeyClusterPlacement(Placement):
     """k-means over post-RoPE keys, per batch row and KV head: Lloyd iterations within a chunk, running means across.
 
-    State: ``centroids [B, H, S, D]`` (float32) and ``counts [B, H, S]``. The first ``S`` tokens a layer sees seed
-    the centroids (evenly spaced within the chunk that brings them). Tokens stored by earlier chunks keep their
-    shard (their KV is already paged there); the tokens of a new chunk go through up to ``iters`` Lloyd steps:
-    assign each to the nearest initialised centroid in squared L2 distance, then set every centroid to the exact
-    mean of all keys assigned to it so far (earlier chunks' and this chunk's), until no assignment changes. Each
-    step can only lower the k-means objective, so a prefill gets real clusters, while a one-token decode step is a
-    single assignment and running-mean update (MacQueen). Deterministic; no Python loop over tokens.
+    State: ``centroids [B, H, S, D]`` (float32), ``counts [B, H, S]`` and ``seeded [B]`` (centroids initialised per
+    row). The first ``S`` real tokens of a row seed its centroids (evenly spaced within the chunk that brings them;
+    left padding takes no part, so a row of a padded batch clusters as it would alone). Tokens stored by earlier
+    chunks keep their shard (their KV is already paged there); the tokens of a new chunk go through up to ``iters``
+    Lloyd steps: assign each to the nearest initialised centroid in squared L2 distance, then set every centroid to
+    the exact mean of all keys assigned to it so far (earlier chunks' and this chunk's), until no assignment changes.
+    Each step can only lower the k-means objective, so a prefill gets real clusters. A decode token (one per row) is
+    a lookup: the centroid maximising ``k . c - |c|^2 / 2`` (one small matmul against the kept ``|c|^2``), whose
+    running mean then moves towards it (MacQueen). Deterministic; no Python loop over tokens.
     Key clusters carry the most recall signal of the three placements (REFERENCE.md section 4).
 
     Parameters
@@ -39,46 +41,99 @@ class KeyClusterPlacement(Placement):
     def reset(self) -> None:
         self.centroids: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
-        self.n_init = 0
+        self.norms: torch.Tensor | None = None  # [B, H, S] |c|^2 / 2 (+inf for centroids not seeded yet)
+        self.seeded: torch.Tensor | None = None  # [B] centroids initialised per row
+        self._all_seeded = False  # every row has S seeds (a host flag: decode steps then read nothing back)
 
     def index_batch(self, index: torch.Tensor) -> None:
         if self.centroids is not None:
-            self.centroids = self.centroids.index_select(0, index.to(self.centroids.device))
-            self.counts = self.counts.index_select(0, index.to(self.counts.device))
+            index = index.to(self.centroids.device)
+            for name in ("centroids", "counts", "norms", "seeded"):
+                setattr(self, name, getattr(self, name).index_select(0, index))
 
     @staticmethod
-    def _nearest(keys: torch.Tensor, centroids: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
-        """``[B, H, q]`` nearest centroid of every key, ``chunk`` keys at a time (bounds the ``[B, H, q, S]``
-        distance matrix of a long prefill)."""
-        parts = [torch.cdist(keys[:, :, i : i + chunk], centroids).argmin(-1) for i in range(0, keys.shape[2], chunk)]
+    def _nearest(keys: torch.Tensor, centroids: torch.Tensor, ready: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+        """``[B, H, q]`` nearest initialised centroid (``ready``: ``[B, 1, 1, S]``) of every key, ``chunk`` keys at a
+        time (bounds the ``[B, H, q, S]`` distance matrix of a long prefill)."""
+        parts = []
+        for i in range(0, keys.shape[2], chunk):
+            dist = torch.cdist(keys[:, :, i : i + chunk], centroids)
+            parts.append(dist.masked_fill(~ready, float("inf")).argmin(-1))
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    def _init_state(self, b: int, h: int, d: int, device: torch.device) -> None:
+        s = self.num_shards
+        self.centroids = torch.zeros(b, h, s, d, device=device)
+        self.counts = torch.zeros(b, h, s, dtype=torch.int64, device=device)
+        self.norms = torch.full((b, h, s), float("inf"), device=device)
+        self.seeded = torch.zeros(b, dtype=torch.int64, device=device)
+
+    def _seed(self, keys: torch.Tensor, present: torch.Tensor) -> None:
+        """Seed each row's empty centroids with evenly spaced real tokens of this chunk."""
+        b, h, q, d = keys.shape
+        s = self.num_shards
+        real = present.sum(-1)  # [B]
+        m = (s - self.seeded).clamp(min=0).minimum(real)  # [B] seeds this chunk gives each row
+        first = present.to(torch.int8).argmax(-1)  # left padding: a row's real tokens are its last `real`
+        j = torch.arange(s, device=keys.device)
+        step = (real - 1).clamp(min=0).double() / (m - 1).clamp(min=1).double()
+        at = (first.unsqueeze(-1) + (j * step.unsqueeze(-1)).round().long()).clamp(max=q - 1)  # [B, S]
+        slot = self.seeded.unsqueeze(-1) + j  # [B, S] centroid each seed fills
+        use = j < m.unsqueeze(-1)
+        slot = torch.where(use, slot, s)  # unused seeds land in an extra slot, cut below
+        seeds = keys.gather(2, at.view(b, 1, s, 1).expand(b, h, s, d))
+        grown = torch.cat([self.centroids, self.centroids[:, :, :1]], 2)
+        grown.scatter_(2, slot.view(b, 1, s, 1).expand(b, h, s, d), seeds)
+        self.centroids = grown[:, :, :s].contiguous()
+        self.seeded = self.seeded + m
+        self._all_seeded = bool((self.seeded >= s).all())
+
+    def _ready(self) -> torch.Tensor:
+        """``[B, 1, 1, S]`` bool: centroids seeded."""
+        return (torch.arange(self.num_shards, device=self.seeded.device) < self.seeded.view(-1, 1)).view(
+            -1, 1, 1, self.num_shards
+        )
 
     def place(self, ctx: PlacementContext) -> torch.Tensor:
         keys = ctx.keys.float()
         b, h, q, d = keys.shape
-        s = self.num_shards
         if self.centroids is None:
-            self.centroids = keys.new_zeros(b, h, s, d)
-            self.counts = torch.zeros(b, h, s, dtype=torch.int64, device=keys.device)
-        if self.n_init < s:  # seed empty centroids with evenly spaced tokens of this chunk
-            m = min(s - self.n_init, q)
-            idx = torch.linspace(0, q - 1, m, device=keys.device).round().long()
-            self.centroids[:, :, self.n_init : self.n_init + m] = keys[:, :, idx]
-            self.n_init += m
+            self._init_state(b, h, d, keys.device)
+        if q == 1 and self._all_seeded and ctx.present is None:
+            return self._place_one(keys)
+        present = ctx.present if ctx.present is not None else torch.ones(b, q, dtype=torch.bool, device=keys.device)
+        if not self._all_seeded:
+            self._seed(keys, present)
+        ready = self._ready()
+        weight = present.to(keys.dtype).view(b, 1, q, 1)  # padding joins no centroid
         prior_n = self.counts.unsqueeze(-1).to(keys.dtype)  # [B,H,S,1]: earlier chunks' tokens stay put
         prior_sum = self.centroids * prior_n
         centroids, shard = self.centroids, None
         for _ in range(self.iters if q > 1 else 1):
-            new = self._nearest(keys, centroids[:, :, : self.n_init])
+            new = self._nearest(keys, centroids, ready)
             if shard is not None and torch.equal(new, shard):
                 break
             shard = new
-            n = torch.zeros(b, h, s, 1, dtype=keys.dtype, device=keys.device)
-            n.scatter_add_(2, shard.unsqueeze(-1), torch.ones_like(keys[..., :1]))  # tokens per shard
-            sums = torch.zeros_like(prior_sum).scatter_add_(2, shard.unsqueeze(-1).expand_as(keys), keys)
+            n = torch.zeros(b, h, self.num_shards, 1, dtype=keys.dtype, device=keys.device)
+            n.scatter_add_(2, shard.unsqueeze(-1), weight.expand(b, h, q, 1))  # real tokens per shard
+            sums = torch.zeros_like(prior_sum).scatter_add_(2, shard.unsqueeze(-1).expand_as(keys), keys * weight)
             total = prior_n + n
             mean = (prior_sum + sums) / total.clamp(min=1)
             centroids = torch.where(total > 0, mean, self.centroids)  # a seed nothing joined keeps its key
         self.centroids = centroids
         self.counts = self.counts + n.squeeze(-1).long()
+        self.norms = (centroids.square().sum(-1) / 2).masked_fill(~ready.view(b, 1, -1), float("inf"))
+        return shard
+
+    def _place_one(self, keys: torch.Tensor) -> torch.Tensor:
+        """One decode token per row: nearest centroid by ``k . c - |c|^2 / 2``, then its running mean moves."""
+        score = (keys @ self.centroids.transpose(-1, -2)).squeeze(2) - self.norms  # [B, H, S]
+        shard = score.argmax(-1, keepdim=True)  # [B, H, 1]
+        at = shard.unsqueeze(-1).expand(*shard.shape, keys.shape[-1])
+        n = self.counts.gather(2, shard) + 1
+        c = self.centroids.gather(2, at)
+        c = c + (keys - c) / n.unsqueeze(-1).to(keys.dtype)
+        self.centroids.scatter_(2, at, c)
+        self.counts.scatter_(2, shard, n)
+        self.norms.scatter_(2, shard, c.square().sum(-1) / 2)
         return shard

@@ -88,6 +88,7 @@ class PagedStore:
         self.table = PageTable(batch, heads, num_shards, page_size, device)
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
         self._sums_stale = False
+        self._room = 0  # pages every run can still take without a relayout (a lower bound, kept on the host)
 
     @property
     def batch(self) -> int:
@@ -114,11 +115,21 @@ class PagedStore:
         used = j < n_pages.unsqueeze(-1)
         src[(self.table.start.unsqueeze(-1) + j)[used]] = (src_start.unsqueeze(-1) + j)[used]
         self.pool.remap_pages(src)
+        self._room = int((cap - n_pages).min()) if cap.numel() else 0
 
-    def _reserve(self, need: torch.Tensor) -> None:
-        """Grow the runs that need more than ``need`` (``[B, H]``) pages, with 1/64 headroom (uniform stays uniform)."""
+    def _reserve(self, need: torch.Tensor, q: int) -> None:
+        """Grow the runs that need more than ``need`` (``[B, H]``) pages, with 1/64 headroom (uniform stays uniform).
+
+        An append of ``q`` tokens opens at most ``min(q, S) + q // P`` pages per run; while every run has that much
+        room (``_room``, counted down on the host) nothing is read back from the device."""
         t = self.table
-        if not bool((need > t.cap).any()):
+        most = min(q, self.num_shards) + q // self.page_size
+        if self._room >= most:
+            self._room -= most
+            return
+        room = int((t.cap - need).min())
+        if room >= 0:
+            self._room = room
             return
         if t.uniform:
             top = int(need.max())
@@ -126,6 +137,7 @@ class PagedStore:
         else:
             cap = torch.where(need > t.cap, need + need // 64, t.cap)
         self._relayout(cap, t.start, t.n_pages)
+        self._room = int((cap - need).min())
 
     # ------------------------------------------------------------------ writes
     def reserve(self, pages: int) -> None:
@@ -169,15 +181,22 @@ class PagedStore:
         b, h, q = shard.shape
         a = self.table.assign(shard, present)
         if grow:
-            self._reserve(a.need)
+            self._reserve(a.need, q)
         self.table.commit(a)
         slot = (self.table.start.unsqueeze(-1) + a.local_page) * self.page_size + a.offset
-        k, v, sh = keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim), shard.reshape(-1)
-        pos, bhs, flat = pos.to(torch.int32).expand(b, h, q).reshape(-1), self._bhs(shard).reshape(-1), slot.reshape(-1)
+        flat_tokens = (
+            keys.reshape(-1, self.k_dim),
+            values.reshape(-1, self.v_dim),
+            shard.reshape(-1),
+            pos.to(torch.int32).expand(b, h, q).reshape(-1),
+            self._bhs(shard).reshape(-1),
+            slot.reshape(-1),
+        )
         if present is not None:
             slot = slot.masked_fill(~present, -1)
             take = present.reshape(-1)
-            k, v, sh, pos, bhs, flat = (x[take] for x in (k, v, sh, pos, bhs, flat))
+            flat_tokens = tuple(x[take] for x in flat_tokens)
+        k, v, sh, pos, bhs, flat = flat_tokens
         if not self.codec.page_level:
             for name, t in self.codec.encode(k, v).items():
                 self.pool.write(name, flat, t)
@@ -237,20 +256,6 @@ class PagedStore:
         self.pool["key_min"].scatter_reduce_(0, idx, k, "amin")
         self.pool["key_max"].scatter_reduce_(0, idx, k, "amax")
 
-    def invalidate(self, first_pos: int, keep: torch.Tensor) -> None:
-        """Clear the valid bit of the tokens at positions ``first_pos + i`` where ``keep[:, i]`` (``[B, q]``) is False
-        (padding of the latest update); their keys leave the shard sums and counts (min / max stay valid bounds)."""
-        q = keep.shape[1]
-        pos = self.frame("pos").to(torch.int64) - first_pos
-        inside = (pos >= 0) & (pos < q) & self.frame("valid")
-        drop = inside & ~keep.unsqueeze(1).expand(-1, self.heads, -1).gather(2, pos.clamp(0, q - 1))
-        if not bool(drop.any()):
-            return
-        gone = self.frame_slots()[drop]
-        shard = self.frame("shard").long().repeat_interleave(self.page_size, dim=-1)
-        self.stats.add(self._bhs(shard)[drop], self.codec.slot_keys(self.pool, gone, self.kv_fields), sign=-1)
-        self.pool.flat("valid")[gone] = False
-
     def retain(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep only the frame slots where ``keep`` (``[B, H, W * P]`` bool) is True; returns ``[B, H]`` valid tokens
         removed.
@@ -304,6 +309,7 @@ class PagedStore:
         t.open_fill = torch.where(count > 0, count - (npg - 1) * p, 0)
         self.stats.count = count
         self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
+        self._room = int((t.cap - n_pages).min()) if n_pages.numel() else 0
         if bounds:
             self._rebuild_page_bounds()
         return removed.sum(-1)
@@ -316,15 +322,24 @@ class PagedStore:
         self._relayout(cap, src_start, t.n_pages)
         self.stats.index_batch(index)
 
-    def add_stats(self, slots: torch.Tensor, mass: torch.Tensor, hit: torch.Tensor, step: int) -> None:
+    def add_stats(self, slots: torch.Tensor, mass: torch.Tensor, hit: torch.Tensor, step: torch.Tensor) -> None:
         """Add attention ``mass`` (float32) and ``hit`` (bool) of the flat slot ids ``slots`` (all ``[M]``, ``-1``:
-        skip); hit slots get ``last_access = step``."""
+        skip); hit slots get ``last_access = step`` (a one-element tensor: positions only grow, so the largest wins).
+        Tensor operations only (no host read)."""
         ok = slots >= 0
-        slots, mass, hit = slots[ok], mass[ok], hit[ok]
-        self.pool.flat("attn_mass").index_add_(0, slots, mass)
-        self.pool.flat("hits").index_add_(0, slots, hit.to(torch.int32))
-        hit_slots = slots[hit]
-        self.pool.flat("last_access")[hit_slots] = step
+        at = slots.clamp(min=0)
+        self.pool.flat("attn_mass").index_add_(0, at, mass * ok)
+        self.pool.flat("hits").index_add_(0, at, (hit & ok).to(torch.int32))
+        last = torch.where(hit & ok, step.to(torch.int32).reshape(()), -1)
+        self.pool.flat("last_access").scatter_reduce_(0, at, last, "amax")
+
+    def enable_stats(self) -> None:
+        """Hold the per-slot attention statistics from now on (zero mass and hits; a token's last access is its
+        insertion)."""
+        if "attn_mass" not in self.pool.fields:
+            for name, spec in _STAT_SPECS.items():
+                self.pool.add_field(name, spec)
+            self.pool["last_access"].copy_(self.pool["pos"])
 
     def to(self, device: torch.device) -> None:
         """Move every tensor (pool, page table, shard statistics) to ``device``."""

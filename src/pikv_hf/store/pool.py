@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+STORAGES = (None, "pinned", "disk")
 
 
 @dataclass(frozen=True)
@@ -43,9 +45,10 @@ class PagePool:
     device : torch.device
         Where every field lives.
     storage : str or None
-        CPU pools only: ``"pinned"`` (page-locked memory, for fast copies to a GPU) or a directory path, where every
-        field is a memory-mapped file (created, mapped and unlinked at once, so nothing is left behind). Default:
-        ordinary memory.
+        CPU pools only: ``"pinned"`` (page-locked memory, for fast copies to a GPU) or ``"disk"``, where every field is
+        a memory-mapped file in the temporary directory (``tempfile.gettempdir()``), created, mapped and unlinked at
+        once: nothing is ever left in the file system, and the blocks are freed with the tensor. Default: ordinary
+        memory.
     """
 
     def __init__(
@@ -54,8 +57,9 @@ class PagePool:
         self.specs = dict(specs)
         self.page_size = int(page_size)
         self.device = device
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
         self.storage = storage
-        self._files = 0
         self.fields: dict[str, torch.Tensor] = {name: self._empty(name, 0) for name in self.specs}
 
     @property
@@ -69,15 +73,14 @@ class PagePool:
             return torch.full(shape, spec.fill, dtype=spec.dtype, device=self.device)
         if self.storage == "pinned":
             return torch.full(shape, spec.fill, dtype=spec.dtype).pin_memory()
-        path = Path(self.storage) / f"{name}-{os.getpid()}-{id(self)}-{self._files}.bin"
-        self._files += 1
         numel = math.prod(shape)
-        with open(path, "wb") as handle:
-            handle.truncate(numel * torch.empty((), dtype=spec.dtype).element_size())
+        handle, path = tempfile.mkstemp(prefix=f"pikv-{name}-", suffix=".bin")
         try:
-            mapped = torch.from_file(str(path), shared=True, size=numel, dtype=spec.dtype)
+            os.ftruncate(handle, numel * torch.empty((), dtype=spec.dtype).element_size())
+            mapped = torch.from_file(path, shared=True, size=numel, dtype=spec.dtype)
         finally:
-            path.unlink()  # the mapping keeps the file's blocks until the tensor is freed
+            os.close(handle)
+            os.unlink(path)  # the mapping keeps the file's blocks until the tensor is freed
         return mapped.view(shape).fill_(spec.fill)
 
     def add_field(self, name: str, spec: FieldSpec) -> torch.Tensor:

@@ -47,7 +47,7 @@ class PageTable:
         self.open_page = torch.full((batch, heads, self.num_shards), -1, dtype=torch.int64, device=device)
         self.open_fill = torch.zeros_like(self.open_page)
         self.uniform = True  # every run has the same capacity: fields are [B, H, cap * P, ...] views
-        self._uniform_cap = 0  # that capacity (a Python int, so reading the frame width needs no device sync)
+        self._width = 0  # the largest capacity (a Python int, so reading the frame width needs no device sync)
 
     @property
     def batch(self) -> int:
@@ -63,14 +63,13 @@ class PageTable:
         flat = cap.reshape(-1)
         self.start = (flat.cumsum(0) - flat).view_as(cap)
         self.uniform = bool((flat == flat[:1]).all()) if flat.numel() else True
-        self._uniform_cap = int(flat[0]) if self.uniform and flat.numel() else 0
+        self._width = int(flat.max()) if flat.numel() else 0
         return int(flat.sum())
 
     def width(self) -> int:
-        """Pages per (row, head) in the frame of :meth:`pages`: the capacity when uniform, else the most in use."""
-        if not self.cap.numel():
-            return 0
-        return self._uniform_cap if self.uniform else int(self.n_pages.max())
+        """Pages per (row, head) in the frame of :meth:`pages`: the largest run capacity (a Python int kept by
+        :meth:`set_caps`, so no device sync; pages past a run's capacity read as ``-1``)."""
+        return self._width
 
     def pages(self, local: torch.Tensor | None = None) -> torch.Tensor:
         """Global pool page ids (``-1`` where none) of local pages ``local`` (``[B, H, n]``, ``-1`` padded), by

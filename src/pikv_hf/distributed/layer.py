@@ -1,0 +1,82 @@
+"""``PartitionedLayer``: a cache layer whose shards live in the partitions of a ``ShardPlan``.
+
+The contract and the decode step are the ``PiKVLayer``'s; the layer's store is a ``PartitionedStore`` (one
+``PagedStore`` per local partition plus the statistics of every shard), its ``DecodeStep`` attends over the local
+partitions and merges across ranks with the plan's all-gather. What needs every token in one place is refused with
+a clear error: dense views, eviction, crop, tiers (Quest reads, ``track_stats`` and recall are refused when the cache
+is built, ``partition.Partition.check_read`` / ``bind``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.distributed.partition import Partition, PartitionedStore
+from pikv_hf.layer import PiKVLayer
+from pikv_hf.step import DecodeStep
+
+
+class PartitionedLayer(PiKVLayer):
+    """A ``PiKVLayer`` over a partitioned store (module docstring)."""
+
+    has_view = False
+
+    def __init__(self, *args, partition: Partition, **kwargs) -> None:
+        self.partition = partition
+        super().__init__(*args, **kwargs)
+
+    def set_read(self, read) -> None:
+        super().set_read(read)
+        self.step = DecodeStep(self.policy, self.backend, self.shard_groups, self.partition.gather(self.layer_idx))
+
+    def _new_store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> PartitionedStore:
+        b, h, _, dk = key_states.shape
+        return self.partition.store(
+            b, h, dk, value_states.shape[-1], self.num_shards, self.page_size, key_states.dtype, key_states.device
+        )
+
+    def _group(self) -> PartitionedStore:
+        return self.store
+
+    def _refuse(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"layer {self.layer_idx}: {what} is not supported on a partitioned cache (its shards live on several "
+            "devices or ranks)"
+        )
+
+    def view(self):
+        if self.store is None:
+            return None
+        raise self._refuse("a dense keys / values view")
+
+    def view_index(self):
+        raise self._refuse("a dense keys / values view")
+
+    def dense_kv(self):
+        raise self._refuse("reading keys / values outside the 'pikv' attention")
+
+    def evict(self, keep: torch.Tensor) -> None:
+        raise self._refuse("evict()")
+
+    def crop(self, max_length: int) -> None:
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise TypeError(f"max_length must be an int (a position, negative: from the end), got {max_length!r}")
+        if self.store is not None and (max_length if max_length >= 0 else self.seen + max_length) < self.seen:
+            raise self._refuse("crop()")
+
+    def tokens_per_shard(self) -> torch.Tensor:
+        if self.store is None:
+            return torch.zeros(0, 0, self.num_shards, dtype=torch.int64)
+        return self.store.tokens_per_shard()
+
+    def resident_tokens(self) -> torch.Tensor:
+        return torch.zeros(0, 0, dtype=torch.int64) if self.store is None else self.store.tokens_per_shard().sum(-1)
+
+    def kv_nbytes(self) -> int:
+        return 0 if self.store is None else self.store.kv_nbytes()
+
+    def offloaded_nbytes(self) -> int:
+        return 0
+
+    def meta_nbytes(self) -> int:
+        return 0 if self.store is None else self.store.meta_nbytes()

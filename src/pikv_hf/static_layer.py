@@ -1,0 +1,75 @@
+"""``StaticPiKVLayer``: a layer whose pages are reserved once, so a decode step compiles into one graph.
+
+``PiKVCache(..., max_cache_len=N)`` builds these layers (as ``StaticCache`` reserves its tensors): every run gets
+its pages for ``N`` tokens at the first update and never moves, the count of tokens seen is a tensor (so compiled
+code does not bake it in), and the frame ``get_mask_sizes`` reports is the reserved one. Appends past the
+reservation are refused before anything is stored, in eager code (the check reads the count back); compiled or
+captured code skips the check (the reservation bounds what it may append).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.layer import PiKVLayer
+
+
+def _traced() -> bool:
+    """Whether this code is being compiled or captured (no host reads allowed)."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class StaticPiKVLayer(PiKVLayer):
+    """A ``PiKVLayer`` with pages reserved for ``max_cache_len`` tokens per (row, KV head) (module docstring)."""
+
+    is_compileable = True
+
+    def __init__(self, *args, max_cache_len: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_cache_len = max_cache_len
+        self._seen_t: torch.Tensor | None = None  # tokens seen, on the layer's device
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._seen_t = torch.zeros((), dtype=torch.int64, device=key_states.device)
+        self.store.reserve(-(-self.max_cache_len // self.page_size) + self.num_shards)  # + a partial page / shard
+
+    @property
+    def seen(self) -> int:
+        return self._seen if self._seen_t is None else int(self._seen_t)
+
+    def _check_capacity(self, q: int) -> None:
+        if _traced():
+            return
+        seen = self.seen
+        if seen + q > self.max_cache_len:
+            raise ValueError(
+                f"layer {self.layer_idx}: {seen + q} tokens ({seen} stored + {q} new) exceed "
+                f"max_cache_len={self.max_cache_len}; build the PiKVCache with a larger max_cache_len"
+            )
+
+    def _token_index(self, q: int, device: torch.device) -> torch.Tensor:
+        return self._seen_t + torch.arange(q, device=device)
+
+    def _advance(self, q: int) -> None:
+        self._seen_t += q
+
+    def _set_seen(self, value: int) -> None:
+        self._seen_t.fill_(value)
+
+    def _sparse_due(self) -> bool:
+        # the count of tokens seen is a tensor here: the reservation decides, so a compiled step has one branch
+        return self.policy.sparse and self.max_cache_len >= self.read.sparse_from
+
+    def kv_length(self) -> int:
+        """The reserved frame (as ``StaticCache`` reports its maximum length)."""
+        return super().kv_length() if self.store is None else self.store.table.width() * self.page_size
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return super().get_mask_sizes(cache_position) if self.store is None else (self.kv_length(), 0)
+
+    def reset(self) -> None:
+        super().reset()
+        self._seen_t = None

@@ -1,0 +1,158 @@
+"""``DecodeStep``: one attention call over the parts of a layer's KV, the same path for every kind of layer.
+
+The parts are the stores of a ``StoreGroup``: a layer's hot store and its tiers, or the local partitions of a
+distributed layer. One call
+
+1. plans: the read policy turns the query into one ``ReadPlan`` per store (all exact for a dense read);
+2. attends: the backend computes each store's partial ``(o, lse)`` on that store's device;
+3. merges the partials exactly by log-sum-exp, then with other ranks' (``remote``: a distributed layer's
+   all-gather), then with the attention sinks (GPT-OSS);
+4. records what a decode step read (``ReadStats``: tensors, no host read) and, when asked, its recall against
+   exact attention (that needs the host).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pikv_hf.attention import Partial, TorchBackend, merge_partials, sink_partial
+from pikv_hf.read import ExactRead, ReadPlan, ReadStats, sink_or_recent
+from pikv_hf.store import PagedStore
+from pikv_hf.store.group import StoreGroup
+
+Remote = Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass
+class Query:
+    """What one attention call asks: ``query`` ``[B, Hq, q, Dk]`` of the tokens at positions ``qpos`` (``[q]``),
+    its logit ``scale``, the layer's ``sliding_window`` and attention ``sinks`` (``[Hq]``, GPT-OSS), and each row's
+    first real position ``row_start`` (``[B]``, where sinks are counted)."""
+
+    query: torch.Tensor
+    qpos: torch.Tensor
+    scale: float
+    sliding_window: int | None
+    sinks: torch.Tensor | None
+    row_start: torch.Tensor
+
+    def grouped(self, heads: int) -> torch.Tensor:
+        """``[B, H, G, Dk]``: the query rows that share each of ``heads`` KV heads."""
+        b, hq, q, dk = self.query.shape
+        return self.query.reshape(b, heads, hq // heads * q, dk)
+
+
+class DecodeStep:
+    """Plan, attend, merge and record for one layer (module docstring). ``policy`` and ``stats`` are the layer's;
+    ``backend`` may be shared by the layers of a cache."""
+
+    def __init__(self, policy: ExactRead, backend: TorchBackend, groups: int = 1, remote: Remote | None = None):
+        self.policy, self.backend, self.groups, self.remote = policy, backend, groups, remote
+        self.stats = ReadStats()
+        self._steps = 0  # decode steps on the host, for the reward schedule of learning selectors
+
+    def __call__(
+        self, group: StoreGroup, x: Query, sparse: bool = False, record: bool = False, mass_of: PagedStore | None = None
+    ) -> Partial:
+        """Attention of ``x`` over every store of ``group``: under the read policy when ``sparse``, else exactly;
+        ``record`` adds the read to ``stats``; ``mass_of`` (a store of the group) also returns the attention mass of
+        its slots (``Partial.mass`` / ``slots``)."""
+        stores = group.stores
+        if sparse:
+            plans = self.policy.plans(group, x.grouped(group.heads), x.scale, x.qpos[-1:], x.row_start)
+        else:
+            plans = [ReadPlan() for _ in stores]
+        one = len(stores) == 1 and self.remote is None
+        parts = [
+            self.backend.attend(
+                x.query.to(s.device),
+                s,
+                plan,
+                x.qpos.to(s.device),
+                x.scale,
+                x.sliding_window,
+                x.sinks if one else None,
+                self.groups,
+                s is mass_of,
+                record,
+            )  # fmt: skip
+            for s, plan in zip(stores, plans, strict=True)
+        ]
+        mass = next((p for s, p in zip(stores, parts, strict=True) if s is mass_of), parts[0])
+        if one:
+            out = parts[0]
+        else:
+            d = group.device
+            o, lse = merge_partials([(p.o.to(d), p.lse.to(d)) for p in parts])
+            if self.remote is not None:
+                o, lse = merge_partials(self.remote(o, lse))
+            if x.sinks is not None:
+                o, lse = merge_partials([(o, lse), sink_partial(x.sinks, o)])
+            attended = sum(p.attended.to(d) for p in parts) if record else None
+            out = Partial(o, lse, mass.mass, mass.slots, attended)
+        if record:
+            self._record(group, plans, out, sparse)
+            self._learn(group, x, plans[0])
+        return out
+
+    def _record(self, group: StoreGroup, plans: list[ReadPlan], out: Partial, sparse: bool) -> None:
+        d = group.device
+        read = [
+            (s.table.n_pages if plan.exact else (plan.pages >= 0).sum(-1)).sum().to(d)
+            for s, plan in zip(group.stores, plans, strict=True)
+        ]
+        counts = {
+            "steps": 1,
+            "sparse_steps": int(sparse),
+            "heads": group.batch * group.heads,
+            "tokens_attended": out.attended.to(d),
+            "pages_gathered": sum(read),
+            "pages_stored": sum(s.table.n_pages.sum().to(d) for s in group.stores),
+            "tokens_stored": sum(s.stats.count.sum().to(d) for s in group.stores),
+            "slots_gathered": sum(r * s.page_size for r, s in zip(read, group.stores, strict=True)),
+        }
+        fetched = [  # pages brought back from the offload tier
+            r * (s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages))
+            for r, s in zip(read, group.stores, strict=True)
+            if s in group.offloaded
+        ]
+        if fetched:
+            counts["bytes_fetched"] = sum(fetched)
+        self.stats.add(d, **counts)
+
+    def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan) -> None:
+        """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning
+        selector's reward): the only part of a step that reads back to the host."""
+        self._steps += 1
+        cfg = self.policy.config
+        learn = self.policy.learns() and self._steps % cfg.reward_every == 0
+        if not (cfg.measure_recall or learn):
+            return
+        recall = self.recall(group, x, plan)
+        self.stats.add_recall(recall)
+        if learn:
+            self.policy.feedback(x.grouped(group.heads), recall)
+
+    def recall(self, group: StoreGroup, x: Query, plan: ReadPlan) -> torch.Tensor:
+        """``[B, H]`` fraction of exact attention's probability mass on the tokens ``plan`` lets the query read."""
+        if len(group.stores) > 1:
+            raise RuntimeError(
+                "recall (measure_recall, learning selectors) is measured on the hot store only, and this layer holds "
+                "tokens in tiers"
+            )
+        st = group.stores[0]
+        if plan.exact:
+            return torch.ones(st.batch, st.heads, device=st.device)
+        exact = self.backend.attend(x.query, st, ReadPlan(), x.qpos, x.scale, x.sliding_window, x.sinks, want_mass=True)
+        p = st.page_size
+        full = (plan.pages >= 0) if plan.page_full is None else plan.page_full & (plan.pages >= 0)
+        read_full = torch.zeros(st.batch, st.heads, st.table.width(), dtype=torch.int64, device=st.device)
+        read_full.scatter_add_(2, plan.pages.clamp(min=0), full.long())
+        kept = (read_full > 0).repeat_interleave(p, dim=-1)
+        if plan.page_full is not None:
+            kept = kept | sink_or_recent(st.frame("pos"), x.qpos[-1:], plan.n_sink, plan.window, x.row_start)
+        mass = exact.mass
+        return (mass * kept).sum(-1) / mass.sum(-1).clamp(min=torch.finfo(torch.float32).tiny)
