@@ -134,8 +134,6 @@ def pikv_attention(
         raise ValueError("pikv attention does not implement attention dropout; call model.eval()")
     if kwargs.get("softcap") is not None:
         raise ValueError("pikv attention does not implement logit soft-capping (softcap)")
-    if getattr(module, "masked_key_indices", None) is not None:
-        module.masked_key_indices = None  # kvpress's patch just handed them to PagedKV.__setitem__: evicted
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = layer.attend(query, scale, sliding_window, s_aux)
     weights = None
@@ -145,8 +143,12 @@ def pikv_attention(
 
 
 def register() -> None:
-    """Register the ``"pikv"`` attention and mask functions with transformers (idempotent)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, pikv_attention)
+    """Register the ``"pikv"`` attention and mask functions with transformers (idempotent). kvpress wraps every
+    attention function registered when it is imported (its head-wise presses mask keys through that wrapper); if it
+    was imported first, the ``"pikv"`` attention is registered wrapped the same way."""
+    patch = sys.modules.get("kvpress.attention_patch")
+    fn = pikv_attention if patch is None else patch.attention_patch(pikv_attention)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, fn)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, pikv_mask)
 
 

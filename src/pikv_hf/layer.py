@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from pikv_hf.attention import TorchBackend, allowed_mask
-from pikv_hf.checks import check_tensor
+from pikv_hf.checks import calling_press, check_tensor
 from pikv_hf.codecs import Codec
 from pikv_hf.config import ReadConfig
 from pikv_hf.constants import ATTN_IMPLEMENTATION
@@ -65,7 +65,7 @@ class PagedKV:
                 "PiKVCache keeps K/V in pages: only kvpress's (batch, head, seq) key masking can be written to its "
                 f"attention inputs, got an assignment to {self.kind}[{index!r}]"
             )
-        self.layer.evict_view_entries(*index)
+        self.layer.apply_head_masks(index)
 
 
 class PiKVLayer(CacheLayerMixin):
@@ -139,6 +139,8 @@ class PiKVLayer(CacheLayerMixin):
         self.row_start: torch.Tensor | None = None  # [B] position of each row's first real token
         self._last_qpos: torch.Tensor | None = None  # [q] positions of the latest update
         self._fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # latest K/V when the store was empty
+        self._index_pos: torch.Tensor | None = None  # [B, H, n] positions of kvpress's head-mask index space
+        self._masks_applied: tuple | None = None  # the head masks evicted last (kvpress repeats them every step)
         self.set_read(read or ReadConfig())
 
     def set_read(self, read: ReadConfig) -> None:
@@ -240,10 +242,13 @@ class PiKVLayer(CacheLayerMixin):
         """Store ``[B, H_kv, q, D]`` post-RoPE keys/values. Inside a forward that runs the ``"pikv"`` attention it
         returns this layer's ``PagedKV`` handle twice; otherwise the dense keys and values, as ``DynamicCache``."""
         self._check_update(key_states, value_states)
+        pikv = self._read_by_pikv()
+        if self.forward.active and not pikv:
+            self._check_dense_readable()  # before anything is stored
         self.views.flush()
         self.prefetch()
         self._store(key_states, value_states, self.forward.present)
-        if self._read_by_pikv():
+        if pikv:
             return PagedKV(self, "keys"), PagedKV(self, "values")
         self._fresh_kv = None
         if not self.forward.active:  # a direct call: the stored tokens in position order, as `keys` / `values` read
@@ -279,6 +284,8 @@ class PiKVLayer(CacheLayerMixin):
         self.store.append(key_states, value_states, shard, token_index, slots_of, grow=not self.is_compileable)
         self._last_qpos = token_index
         self._advance(q)
+        if self._index_pos is not None:  # head masks in use: their index space grows with the new tokens
+            self._index_pos = torch.cat([self._index_pos, token_index.to(self._index_pos).expand(*shard.shape)], -1)
 
     def _check_capacity(self, q: int) -> None:
         """Raise before storing ``q`` more tokens than the layer may hold (reserved caches)."""
@@ -296,8 +303,12 @@ class PiKVLayer(CacheLayerMixin):
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values for a model forward that runs an attention implementation other than ``"pikv"``: every
         token at its own position (zeros at left padding, which the model's own mask hides), exact as long as
-        nothing was evicted; after an eviction such a forward cannot read the cache exactly and is refused."""
-        if bool((self.evicted > 0).any()):
+        nothing was evicted (:meth:`_check_dense_readable`)."""
+        return positional_kv(self.views.snapshot(), self.kv_length())
+
+    def _check_dense_readable(self) -> None:
+        """After an eviction a forward on another attention than ``"pikv"`` cannot read the cache exactly: refused."""
+        if self.evicted is not None and bool((self.evicted > 0).any()):
             module = self.attention_module()
             impl = getattr(getattr(module, "config", None), "_attn_implementation", None) or "another"
             raise RuntimeError(
@@ -306,7 +317,6 @@ class PiKVLayer(CacheLayerMixin):
                 "attention: it was detached from the cache (another PiKVCache on this model left its `with` block or "
                 "called detach()). Call cache.attach() before using this cache again."
             )
-        return positional_kv(self.views.snapshot(), self.kv_length())
 
     def attend(
         self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
@@ -335,7 +345,7 @@ class PiKVLayer(CacheLayerMixin):
         mass_of = self.store if self.track_stats else None
         part = self.step(self._group(), x, decode and self._sparse_due(), decode, mass_of)
         if self.track_stats:
-            self._record_mass(part, query.shape[1] // self.store.heads * q)
+            self._record_mass(part, query.shape[1] // self.store.heads)
         return part.o.transpose(1, 2).to(query.dtype)
 
     def _group(self):
@@ -346,12 +356,15 @@ class PiKVLayer(CacheLayerMixin):
         positions (below that a dense read costs less than planning a sparse one)."""
         return self.policy.sparse and self._seen >= self.read.sparse_from
 
-    def _record_mass(self, part, rows: int) -> None:
-        """Accumulate attention mass (summed over the ``rows`` query rows of each KV head); a *hit* is a slot that
-        received more than a uniform share of those rows' mass; ``last_access`` is the position of the latest
-        query that hit it."""
+    def _record_mass(self, part, groups: int) -> None:
+        """Accumulate attention mass (summed over the query rows of each KV head: ``groups`` query heads times the
+        row's real tokens of this call); a *hit* is a slot that received more than a uniform share of those rows'
+        mass; ``last_access`` is the position of the latest query that hit it."""
         n_valid = self.store.stats.count.sum(-1, keepdim=True).clamp(min=1)  # [B, H, 1]
-        hit = part.mass * n_valid > rows
+        present = self.forward.present
+        q = self._last_qpos.numel()
+        real = torch.full((self.store.batch,), q, device=n_valid.device) if present is None else present.sum(-1)
+        hit = part.mass * n_valid > (groups * real).view(-1, 1, 1)
         self.store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), self._last_qpos[-1])
 
     def attention_weights(
@@ -388,8 +401,10 @@ class PiKVLayer(CacheLayerMixin):
         return self.views.index()
 
     def keep(self, view: DenseView, keep: torch.Tensor) -> None:
-        """Evict every token of the hot store whose entry of ``view`` (``[B, H, T]`` bool ``keep``) is False."""
+        """Evict every token of the hot store whose entry of ``view`` (``[B, H, T]`` bool ``keep``) is False (a
+        selection: the view after it is the index space of later head masks)."""
         self.evict(self._frame_keep(view, keep))
+        self._index_pos = self._masks_applied = None
 
     def offload_tokens(self, view: DenseView, keep: torch.Tensor, target: str = "cpu") -> torch.Tensor:
         """Move the hot store's tokens whose entry of ``view`` is not kept to the offload tier (``"cpu"`` or
@@ -450,21 +465,26 @@ class PiKVLayer(CacheLayerMixin):
         hits.scatter_add_(2, index.clamp(min=0), (mark & (index >= 0)).to(torch.int32))
         return (hits > 0) & st.frame("valid")
 
-    def evict_view_entries(
-        self, batch: torch.Tensor, head: torch.Tensor, index: torch.Tensor, view: DenseView | None = None
-    ) -> None:
-        """Evict the tokens at entries ``(batch[i], head[i], index[i])`` of a dense view (default: the latest taken),
-        e.g. the keys a head-wise kvpress press masks. Tokens already gone are skipped."""
-        v = view or self.views.latest
-        if v is None:
-            raise RuntimeError(f"layer {self.layer_idx}: no dense view was taken, so view entries name no token")
+    def apply_head_masks(self, masks, view: DenseView | None = None) -> None:
+        """Evict the tokens a head-wise kvpress press masks (``masked_key_indices``: batch, head and index tensors, in
+        kvpress's index space: the entries of the keys it was given, ``view`` or the latest view taken, with the
+        tokens it masked earlier still counted, as a DynamicCache keeps them). The same masks again (kvpress's
+        attention patch hands them over at every step) are skipped; tokens already gone are skipped."""
+        batch, head, index = masks
+        if self._masks_applied is not None and all(a is b for a, b in zip(masks, self._masks_applied, strict=True)):
+            return
+        if self._index_pos is None:
+            v = view or self.views.latest or self.view_index()
+            self._index_pos = v.pos
         st = self.store
-        pos = v.pos[batch.to(v.pos.device), head.to(v.pos.device), index.to(v.pos.device)]
+        d = self._index_pos.device
+        pos = self._index_pos[batch.to(d), head.to(d), index.to(d)].to(st.device)
         seen = self.seen
         drop = torch.zeros(st.batch, st.heads, seen, dtype=torch.bool, device=st.device)
-        drop[batch.to(st.device), head.to(st.device), pos.clamp(min=0).to(st.device)] = pos.to(st.device) >= 0
+        drop[batch.to(st.device), head.to(st.device), pos.clamp(min=0)] = pos >= 0
         frame_pos = st.frame("pos").to(torch.int64)
         hit = drop.gather(2, frame_pos.clamp(0, max(seen - 1, 0))) & (frame_pos >= 0)
+        self._masks_applied = tuple(masks)
         if bool(hit.any()):
             self.evict(st.frame("valid") & ~hit)
 
@@ -523,8 +543,8 @@ class PiKVLayer(CacheLayerMixin):
         want = (st.batch, st.heads)
         if tuple(keys.shape[:2]) != want or keys.shape[:3] != values.shape[:3] or keys.shape[3] != st.k_dim:
             raise ValueError(
-                f"layer {self.layer_idx}: rewritten keys / values must be [B, H, n, D] with [B, H] = {want} and "
-                f"D = ({st.k_dim}, {st.v_dim}); got {tuple(keys.shape)} and {tuple(values.shape)}"
+                f"{calling_press()}: layer {self.layer_idx}: rewritten keys / values must be [B, H, n, D] with "
+                f"[B, H] = {want} and D = ({st.k_dim}, {st.v_dim}); got {tuple(keys.shape)} and {tuple(values.shape)}"
             )
         self.reset()
         self._store(keys, values, None)
@@ -559,6 +579,7 @@ class PiKVLayer(CacheLayerMixin):
         self._seen, self._min_evicted = 0, 0
         self.evicted = self.row_start = None
         self._last_qpos = self._fresh_kv = None
+        self._index_pos = self._masks_applied = None
         self.views.reset()
         self.placement.reset()
         self.policy.reset()
@@ -583,6 +604,7 @@ class PiKVLayer(CacheLayerMixin):
         self._min_evicted = int(self.evicted.min())
         self._set_seen(max_length)
         self._last_qpos = self._fresh_kv = None
+        self._index_pos = self._masks_applied = None
 
     def _set_seen(self, value: int) -> None:
         self._seen = value
@@ -600,6 +622,7 @@ class PiKVLayer(CacheLayerMixin):
             self.row_start = self.row_start.index_select(0, index)
             self._row_open = self._row_open.index_select(0, index)
             self._last_qpos = self._fresh_kv = None
+            self._index_pos = None if self._index_pos is None else self._index_pos.index_select(0, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(beam_idx)

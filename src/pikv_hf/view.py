@@ -249,11 +249,9 @@ class LayerViews:
             )
         else:
             self._select(keys_action, v)
-        module = layer.attention_module()
-        masked = getattr(module, "masked_key_indices", None)
+        masked = getattr(layer.attention_module(), "masked_key_indices", None)
         if masked is not None:  # a head-wise press (AdaKV, DuoAttention, ...) marked tokens in the view it scored
-            layer.evict_view_entries(*masked, view=v)
-            module.masked_key_indices = None
+            layer.apply_head_masks(masked, view=v)
 
     def _select(self, action: tuple, v: DenseView) -> None:
         """Apply a crop or a selection of the view's entries."""
@@ -262,8 +260,8 @@ class LayerViews:
             layer.crop(action[1])
         elif action[0] == "keep":
             self._refuse_tiers("a selection of its view")
-            index = v.frame_index.gather(2, action[1])
-            layer.evict(layer.frame_mask(index, index >= 0))
+            keep = torch.zeros_like(v.valid).scatter_(2, action[1], True)
+            layer.keep(v, keep)
 
     def _refuse_tiers(self, what: str) -> None:
         layer = self.layer

@@ -118,7 +118,7 @@ def masked_attention(
         if sinks is not None:
             o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
         if mass is not None:
-            prob = torch.exp(scores5.masked_fill(~allowed, float("-inf")) - lse.view(b, h, g, n, 1))
+            prob = torch.exp(scores5 - lse.view(b, h, g, n, 1)).masked_fill(~allowed, 0.0)  # 0 for rows of no key
             mass += prob.sum(dim=(2, 3))
         outs.append(o)
         lses.append(lse)

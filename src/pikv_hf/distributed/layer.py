@@ -52,8 +52,8 @@ class PartitionedLayer(PiKVLayer):
     def view_index(self):
         raise self._refuse("a dense keys / values view")
 
-    def dense_kv(self):
-        raise self._refuse("reading keys / values outside the 'pikv' attention")
+    def _check_dense_readable(self) -> None:
+        raise self._refuse("reading keys / values with another attention than 'pikv'")
 
     def evict(self, keep: torch.Tensor) -> None:
         raise self._refuse("evict()")
