@@ -87,15 +87,15 @@ def bench_context(model, ref, context: int, args, bandwidth: float, gflops: floa
         fill(cache, context, gen)
         layer = cache.layers[0]
         layer.update(new_kv, new_kv, None)  # one decode token; attend() reads the store without changing it
-        attn_ms = median_ms(lambda layer=layer: layer.attend(query, d**-0.5, None, None, None), args.repeats)
+        attn_ms = median_ms(lambda layer=layer: layer.attend(query, d**-0.5, None, None), args.repeats)
         workspace = cache.workspace_nbytes()  # gather scratch held between steps (routed only)
         layer.crop(context)
         st = layer.store
         itemsize = st.pool["keys"].element_size()
         page_bytes = st.page_size * (st.k_dim + st.v_dim) * itemsize
         if mode == "routed":
-            stats = layer.routing_stats
-            pages = stats.pages_gathered / max(1, stats.steps)  # summed over KV heads
+            stats = layer.read_stats.counts()
+            pages = stats["pages_gathered"] / max(1, stats["steps"])  # summed over KV heads
             attn_bytes = int(pages * page_bytes)  # ideal: the selected pages read once (the torch path copies them)
             attn_keys = pages / st.heads * st.page_size  # slots attended per KV head
         else:

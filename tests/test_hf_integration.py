@@ -163,17 +163,25 @@ def _decode_fn(model, cache):
     return lambda t, pos: model(t, past_key_values=cache, cache_position=pos).logits
 
 
-def test_exact_decode_step_compiles_without_graph_breaks():
+SPARSE_READS = {
+    "exact": {},
+    "routed": dict(attention="routed", top_k_shards=2, n_sink=2, window=4, num_shards=4, page_size=4),
+    "quest": dict(attention="quest", read_fraction=0.5, n_sink=2, window=4, page_size=4),
+}
+
+
+@pytest.mark.parametrize("read", sorted(SPARSE_READS))
+def test_decode_step_compiles_without_graph_breaks(read):
+    # no host read inside a step: plans of fixed width, read statistics as device tensors
     model = tiny_model("llama", seed=0)
-    cache = PiKVCache(model, router="key_cluster", max_cache_len=64)
+    cache = PiKVCache(model, router="key_cluster", max_cache_len=64, **SPARSE_READS[read])
     assert cache.is_compileable
     with torch.no_grad():
         model(prompt(20), past_key_values=cache)
-        reference = cache.fork()
+        reference, probe = cache.fork(), cache.fork()
         dynamo.reset()
-        explained = dynamo.explain(_decode_fn(model, cache))(torch.tensor([[5]]), torch.tensor([20]))
+        explained = dynamo.explain(_decode_fn(model, probe))(torch.tensor([[5]]), torch.tensor([20]))
         assert explained.graph_break_count == 0 and explained.graph_count == 1
-        cache.crop(20)
         compiled = torch.compile(_decode_fn(model, cache), backend="aot_eager", fullgraph=True)
         for step in range(4):
             token, pos = torch.tensor([[7 + step]]), torch.tensor([20 + step])
@@ -181,6 +189,8 @@ def test_exact_decode_step_compiles_without_graph_breaks():
             want = model(token, past_key_values=reference, cache_position=pos).logits
             assert (got - want).abs().max() < 1e-5
     assert cache.get_seq_length() == reference.get_seq_length() == 24
+    if read != "exact":  # the compiled steps read sparsely, and counted it
+        assert cache.routing_stats()["overall"]["sparse_steps"] == 4 * len(cache.layers)
 
 
 def test_decode_step_exports_and_runs_on_another_cache():

@@ -92,3 +92,45 @@ def check_field_types(obj: object) -> None:
         if not _matches(value, hints[f.name]):
             expected = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
             raise TypeError(f"{type(obj).__name__}.{f.name} must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def check_kv_update(layer_idx: int, key_states: object, value_states: object, present, store) -> None:
+    """Check what ``PiKVLayer.update`` receives (``[B, H_kv, q, D]`` tensors of one dtype; the forward's padding
+    mask ``present`` ``[B, q]``; the batch, heads, dims, dtype and device of the layer's ``store`` once there is one),
+    raising ``TypeError`` / ``ValueError`` naming the argument before the layer changes."""
+    for name, states in (("key_states", key_states), ("value_states", value_states)):
+        check_tensor(name, states)
+        if states.dim() != 4:
+            raise ValueError(f"{name} must be [B, H_kv, q, D], got shape {tuple(states.shape)}")
+    if key_states.shape[:3] != value_states.shape[:3]:
+        raise ValueError(
+            f"key_states and value_states must agree on [B, H_kv, q]; got {tuple(key_states.shape[:3])} and "
+            f"{tuple(value_states.shape[:3])}"
+        )
+    if key_states.shape[2] < 1:
+        raise ValueError("key_states must hold at least one new token (q >= 1)")
+    if key_states.dtype != value_states.dtype:
+        raise ValueError(f"key_states dtype {key_states.dtype} != value_states dtype {value_states.dtype}")
+    if present is not None and tuple(present.shape) != (key_states.shape[0], key_states.shape[2]):
+        raise ValueError(
+            f"layer {layer_idx}: the forward's padding mask covers {tuple(present.shape)} new tokens, "
+            f"key_states hold [B, q] = {(key_states.shape[0], key_states.shape[2])}"
+        )
+    if store is None:
+        return
+    expected = {
+        "batch size": (key_states.shape[0], store.batch),
+        "number of KV heads": (key_states.shape[1], store.heads),
+        "key head dim": (key_states.shape[3], store.k_dim),
+        "value head dim": (value_states.shape[3], store.v_dim),
+    }
+    for what, (got, want) in expected.items():
+        if got != want:
+            raise ValueError(f"layer {layer_idx}: {what} of key/value_states is {got}, cache holds {want}")
+    if key_states.dtype != store.dtype:
+        raise ValueError(
+            f"layer {layer_idx}: key/value_states dtype changed mid-sequence: got {key_states.dtype}, "
+            f"cache holds {store.dtype}"
+        )
+    if key_states.device != store.device:
+        raise ValueError(f"layer {layer_idx}: key/value_states on {key_states.device}, cache on {store.device}")

@@ -29,8 +29,9 @@ Remote = Callable[[torch.Tensor, torch.Tensor], list[tuple[torch.Tensor, torch.T
 @dataclass
 class Query:
     """What one attention call asks: ``query`` ``[B, Hq, q, Dk]`` of the tokens at positions ``qpos`` (``[q]``),
-    its logit ``scale``, the layer's ``sliding_window`` and attention ``sinks`` (``[Hq]``, GPT-OSS), and each row's
-    first real position ``row_start`` (``[B]``, where sinks are counted)."""
+    its logit ``scale``, the layer's ``sliding_window`` and attention ``sinks`` (``[Hq]``, GPT-OSS), each row's
+    first real position ``row_start`` (``[B]``, where sinks are counted) and which queries are real (``present``,
+    ``[B, q]``; None: all)."""
 
     query: torch.Tensor
     qpos: torch.Tensor
@@ -38,6 +39,7 @@ class Query:
     sliding_window: int | None
     sinks: torch.Tensor | None
     row_start: torch.Tensor
+    present: torch.Tensor | None = None
 
     def grouped(self, heads: int) -> torch.Tensor:
         """``[B, H, G, Dk]``: the query rows that share each of ``heads`` KV heads."""
@@ -93,10 +95,23 @@ class DecodeStep:
                 o, lse = merge_partials([(o, lse), sink_partial(x.sinks, o)])
             attended = sum(p.attended.to(d) for p in parts) if record else None
             out = Partial(o, lse, mass.mass, mass.slots, attended)
+        if mass_of is not None:
+            self._record_mass(mass_of, x, out)
         if record:
             self._record(group, plans, out, sparse)
             self._learn(group, x, plans[0])
         return out
+
+    @staticmethod
+    def _record_mass(store: PagedStore, x: Query, part: Partial) -> None:
+        """Accumulate each slot's attention mass (summed over the query rows of its KV head: its query heads times
+        the row's real tokens of this call); a *hit* is a slot that received more than a uniform share of those rows'
+        mass; ``last_access`` is the position of the latest query that hit it."""
+        b, hq, q, _ = x.query.shape
+        n_valid = store.stats.count.sum(-1, keepdim=True).clamp(min=1)  # [B, H, 1]
+        real = torch.full((b,), q, device=n_valid.device) if x.present is None else x.present.sum(-1)
+        hit = part.mass * n_valid > (hq // store.heads * real).view(-1, 1, 1)
+        store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), x.qpos[-1:])
 
     def _record(self, group: StoreGroup, plans: list[ReadPlan], out: Partial, sparse: bool) -> None:
         d = group.device

@@ -18,15 +18,30 @@ Keys and values are applied together, once both arrived (or at the next access),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pikv_hf.checks import calling_press
 from pikv_hf.store import PagedStore
+from pikv_hf.store.tiers import LayerStores
 
-if TYPE_CHECKING:
-    from pikv_hf.layer import PiKVLayer
+
+class ViewedLayer(Protocol):
+    """What :class:`LayerViews` needs of the layer it serves (``PiKVLayer``; named here so this module need not
+    import the layer)."""
+
+    layer_idx: int
+    store: PagedStore | None
+    stores: LayerStores | None
+    row_start: torch.Tensor | None
+
+    def crop(self, max_length: int) -> None: ...
+    def keep(self, view: DenseView, keep: torch.Tensor) -> None: ...
+    def rewrite(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+    def write_values(self, view: DenseView, index: torch.Tensor, values: torch.Tensor) -> None: ...
+    def apply_head_masks(self, masks, view: DenseView | None = None) -> None: ...
+    def attention_module(self) -> torch.nn.Module | None: ...
 
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -48,6 +63,8 @@ class DenseView:
         ``[B, H, T]`` bool, False for padding entries.
     row_start : torch.Tensor
         ``[B]`` int64 position of each row's first real token (left padding takes positions, not slots).
+    shard : torch.Tensor
+        ``[B, H, T]`` int64 shard of each entry (``-1`` for padding entries).
     """
 
     keys: torch.Tensor | None
@@ -56,6 +73,7 @@ class DenseView:
     pos: torch.Tensor
     valid: torch.Tensor
     row_start: torch.Tensor
+    shard: torch.Tensor
 
     @property
     def rel_pos(self) -> torch.Tensor:
@@ -96,6 +114,7 @@ def dense_view(stores: list[PagedStore], row_start: torch.Tensor, with_kv: bool 
             return out.masked_fill_(~ok.unsqueeze(-1), 0)
 
         keys, values = take(keys), take(values)
+    shard = torch.cat([s.frame("shard").repeat_interleave(s.page_size, -1).to(store.device) for s in stores], -1)
     return DenseView(
         keys=keys,
         values=values,
@@ -103,6 +122,7 @@ def dense_view(stores: list[PagedStore], row_start: torch.Tensor, with_kv: bool 
         pos=torch.where(ok, pos.gather(2, order), -1),
         valid=ok,
         row_start=row_start,
+        shard=torch.where(ok, shard.long().gather(2, order), -1),
     )
 
 
@@ -162,7 +182,7 @@ class LayerViews:
     """The dense view of one layer (taken once per write of the layer, kept until the next write, so keys and values
     come from one snapshot) and the interpretation of assignments to it."""
 
-    def __init__(self, layer: PiKVLayer) -> None:
+    def __init__(self, layer: ViewedLayer) -> None:
         self.layer = layer
         self._view: DenseView | None = None
         self._pending: dict[str, tuple] = {}  # assignments to keys / values waiting for their partner
@@ -172,7 +192,7 @@ class LayerViews:
         kvpress's later key masks refer to them)."""
         v = self._view
         if v is not None and v.keys is not None:
-            self._view = DenseView(None, None, v.frame_index, v.pos, v.valid, v.row_start)
+            self._view = DenseView(None, None, v.frame_index, v.pos, v.valid, v.row_start, v.shard)
 
     def reset(self) -> None:
         self._view = None

@@ -96,11 +96,7 @@ def keep_newest(scores: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(
-    layer: PiKVLayer,
-    view: DenseView,
-    scores: torch.Tensor,
-    n_kept: int | torch.Tensor,
-    shard_budget: str = "global",
+    view: DenseView, scores: torch.Tensor, n_kept: int | torch.Tensor, shard_budget: str = "global"
 ) -> torch.Tensor:
     """``[B, H, T]`` keep mask over ``view``'s entries: the ``n_kept`` (an int or ``[B, H]``) highest ``scores``
     (``[B, H, T]``) of each (row, KV head); the newest token of every (row, head) is always kept."""
@@ -110,9 +106,7 @@ def keep_mask(
     budget = torch.as_tensor(n_kept, device=ranked.device).expand(ranked.shape[:2])
     if shard_budget == "global":
         return (descending_rank(ranked) < budget.unsqueeze(-1)) & present
-    st = layer.store
-    frame_shard = st.frame("shard").long().repeat_interleave(st.page_size, dim=-1)
-    return proportional_keep(ranked, frame_shard.gather(2, view.frame_index.clamp(min=0)), present, budget)
+    return proportional_keep(ranked, view.shard, present, budget)
 
 
 def topk_keep(view: DenseView, scores: torch.Tensor, n_kept: torch.Tensor) -> torch.Tensor:
@@ -143,7 +137,7 @@ def evict_lowest(
 ) -> None:
     """Keep the ``n_kept`` (an int or ``[B, H]``) highest ``scores`` of ``view``'s entries per (row, KV head) and
     evict (or offload) the rest from the layer's hot store."""
-    drop_or_offload(layer, view, keep_mask(layer, view, scores, n_kept, shard_budget), offload)
+    drop_or_offload(layer, view, keep_mask(view, scores, n_kept, shard_budget), offload)
 
 
 def prefill_layer(module: nn.Module, kwargs: dict, compression_ratio: float) -> PiKVLayer | None:
@@ -284,7 +278,7 @@ class PiKVScorerPress(PiKVPress, ScorerPress):
 
     def decode_keep(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
         """Keep mask of the ``n_kept`` tokens per (row, KV head) that :meth:`decode_scores` ranks highest."""
-        return keep_mask(layer, view, self.decode_scores(layer, view, n_kept), n_kept, self.shard_budget)
+        return keep_mask(view, self.decode_scores(layer, view, n_kept), n_kept, self.shard_budget)
 
     def budget(self, module: nn.Module, view: DenseView) -> torch.Tensor:
         """``[B, H]`` tokens ``module``'s layer keeps of ``view`` at prefill: ``compute_n_kept`` of each (row, head)'s

@@ -89,6 +89,7 @@ class PagedStore:
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
         self._sums_stale = False
         self._room = 0  # pages every run can still take without a relayout (a lower bound, kept on the host)
+        self._reserved = 0  # capacity every run keeps through re-packs (reserve)
 
     @property
     def batch(self) -> int:
@@ -141,9 +142,11 @@ class PagedStore:
 
     # ------------------------------------------------------------------ writes
     def reserve(self, pages: int) -> None:
-        """Give every run a capacity of ``pages`` pages now (uniform), so that appends within it never move the pool;
-        with ``append(..., grow=False)`` an append is then free of host synchronisation (``torch.compile``)."""
+        """Give every run a capacity of ``pages`` pages now and after every re-pack (uniform), so that appends within
+        it never move the pool; with ``append(..., grow=False)`` an append is then free of host synchronisation
+        (``torch.compile``)."""
         t = self.table
+        self._reserved = pages
         if pages > t.width() or not t.uniform:
             self._relayout(torch.full_like(t.cap, max(pages, int(t.cap.max()))), t.start, t.n_pages)
 
@@ -287,7 +290,7 @@ class PagedStore:
 
         t = self.table
         n_pages = npg.sum(-1)
-        total = t.set_caps(n_pages)
+        total = t.set_caps(n_pages.clamp(min=self._reserved))
         page = (t.start.unsqueeze(-1) + local)[ok]
         dst = page * p + (rank % p)[ok]
         shard_of_page = torch.full((total,), -1, dtype=torch.int32, device=self.device)
