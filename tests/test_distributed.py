@@ -62,8 +62,12 @@ def test_partitions_of_one_process_match_the_single_store(arch, router, read):
         # layers' keys carry the rounding of the merged attention), so routed selection is the same
         ref_st = single.layers[layer.layer_idx].store
         assert torch.equal(st.stats.count, ref_st.stats.count)
-        same = torch.equal if layer.layer_idx == 0 else lambda a, b: torch.allclose(a, b, atol=1e-5)
-        assert same(st.stats.sum, ref_st.stats.sum) and same(st.stats.sq, ref_st.stats.sq)
+        same = (lambda a, b: torch.allclose(a, b, atol=1e-6)) if layer.layer_idx == 0 else (
+            lambda a, b: torch.allclose(a, b, atol=1e-5)
+        )  # the single store sums its pages once asked (another summation order), the partitions as keys arrive
+        zero = torch.zeros_like(ref_st.stats.count)
+        got, want = st.summary(zero), ref_st.summary(zero)
+        assert same(got.centroids, want.centroids) and same(got.key_var, want.key_var)
     if read:
         got, want = cache.routing_stats()["overall"], single.routing_stats()["overall"]
         assert got["steps"] == want["steps"]

@@ -148,6 +148,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.read = read
         self.policy = make_policy(read, self.layer_idx)
         self.step = DecodeStep(self.policy, self.backend, self.shard_groups)
+        if self.policy.reads_summaries and self.stores is not None:
+            self.stores.keep_summaries()
 
     @property
     def read_stats(self):
@@ -182,6 +184,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = self._new_store(key_states, value_states)
         self.stores = LayerStores(self.store)
+        if self.policy.reads_summaries:
+            self.stores.keep_summaries()
         b, h = key_states.shape[:2]
         self.evicted = torch.zeros(b, h, dtype=torch.int64, device=key_states.device)
         self.row_start = torch.zeros(b, dtype=torch.int64, device=key_states.device)

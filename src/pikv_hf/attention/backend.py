@@ -74,19 +74,21 @@ def fused_decode(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    allowed: torch.Tensor,
+    bias: torch.Tensor,
     scale: float,
+    check_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode token (``query`` ``[B, Hq, 1, D]``) over ``[B, H, C, D]`` keys / values where ``allowed``
-    (``[B, H, C]``) through the CPU flash kernel: ``o [B, Hq, 1, D]`` float32 and ``lse [B, Hq, 1]`` (``-inf`` and
-    zeros for rows with no readable slot)."""
+    """One decode token (``query`` ``[B, Hq, 1, D]``) over ``[B, H, C, D]`` keys / values with the additive mask
+    ``bias`` (``[B, H, C]``, 0 or ``-inf``) through the CPU flash kernel, the query heads of a KV head as its rows:
+    ``o [B, Hq, 1, D]`` float32 and ``lse [B, Hq, 1]``. ``check_empty``: rows with no readable slot get ``lse = -inf``
+    (the kernel returns 0 there); a read that holds the newest token never has one."""
     b, hq, _, d = query.shape
     h = keys.shape[1]
-    qg = query.reshape(b, h, hq // h, d).to(keys.dtype)  # query heads of a KV head as its rows
-    mask = torch.zeros(allowed.shape, dtype=keys.dtype, device=keys.device).masked_fill_(~allowed, float("-inf"))
-    o, lse = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=mask.unsqueeze(2), scale=scale)
-    empty = ~allowed.any(-1, keepdim=True)  # [B, H, 1]: the kernel returns lse 0 there
-    lse = lse.float().masked_fill(empty, float("-inf"))
+    qg = query.reshape(b, h, hq // h, d).to(keys.dtype)
+    o, lse = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=bias.unsqueeze(2), scale=scale)
+    lse = lse.float()
+    if check_empty:
+        lse = lse.masked_fill(torch.isneginf(bias).all(-1, keepdim=True), float("-inf"))
     return o.float().reshape(b, hq, 1, -1), lse.reshape(b, hq, 1)
 
 
@@ -144,34 +146,22 @@ class TorchBackend:
         groups: int = 1,
         want_mass: bool = False,
         count: bool = False,
+        newest: bool = False,
     ) -> Partial:
         """Attention of ``query`` (``[B, Hq, q, Dk]`` at positions ``qpos`` ``[q]``) over what ``plan`` reads.
 
         ``groups > 1`` computes one partial per shard group (shard ``s`` in group ``s * groups // S``) and merges
-        them exactly, as shards on several devices would be.
+        them exactly, as shards on several devices would be. ``newest``: the store holds the query's own token
+        (every (row, head) has a slot to read).
         """
-        p = store.page_size
         plan = trimmed(plan)
+        if self._fusable(store, query.shape[2], groups, want_mass):
+            return self._attend_fused(query, store, plan, qpos, scale, sliding_window, sinks, count, newest)
+        p = store.page_size
         fields, pages, page_ok = self.read_fields(store, plan, (*store.kv_fields, "pos", "valid"))
         ok = fields["valid"] if page_ok is None else fields["valid"] & page_ok
         ok = readable(ok, fields["pos"], plan, qpos, p)
         keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
-        q = query.shape[2]
-        fused = (
-            _FLASH_CPU is not None
-            and q == 1
-            and not want_mass
-            and groups == 1
-            and keys.device.type == "cpu"
-            and keys.shape[-1] == values.shape[-1]
-            and keys.shape[2] > 0
-        )
-        if fused:
-            allowed = allowed_mask(ok, fields["pos"], qpos, sliding_window)[:, :, 0]
-            o, lse = fused_decode(query, keys, values, allowed, scale)
-            if sinks is not None:
-                o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
-            return Partial(o, lse, attended=allowed.sum(-1) if count else None)
         shard = None
         if groups > 1:
             shard = store.pool["shard"][pages.clamp(min=0)].repeat_interleave(p, dim=-1).long().clamp(min=0)
@@ -187,6 +177,56 @@ class TorchBackend:
         if want_mass or count:
             attended = allowed_mask(ok, fields["pos"], qpos[-1:], sliding_window)[:, :, 0].sum(-1)
         return Partial(o, lse, mass, slots, attended)
+
+    @staticmethod
+    def _fusable(store: PagedStore, queries: int, groups: int, want_mass: bool) -> bool:
+        """Whether a call goes through the CPU flash kernel: one decode token, no attention mass or shard groups,
+        keys and values of one head dim."""
+        return (
+            _FLASH_CPU is not None
+            and queries == 1
+            and not want_mass
+            and groups == 1
+            and store.device.type == "cpu"
+            and store.k_dim == store.v_dim
+        )
+
+    def _attend_fused(
+        self,
+        query: torch.Tensor,
+        store: PagedStore,
+        plan: ReadPlan,
+        qpos: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+        count: bool,
+        newest: bool,
+    ) -> Partial:
+        """A decode token through the flash kernel; the mask is the slots' stored ``bias``, restricted by the plan's
+        pages and the sliding window where they apply."""
+        restricted = plan.page_full is not None or sliding_window is not None
+        names = (*store.kv_fields, "bias", *(("pos",) if restricted else ()))
+        fields, _, page_ok = self.read_fields(store, plan, names)
+        keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
+        if keys.shape[2] == 0:  # a store with no page yet (a partition): no key, a partial that merges away
+            b, hq = query.shape[:2]
+            none = torch.zeros(store.batch, store.heads, dtype=torch.int64, device=query.device) if count else None
+            empty = query.new_zeros(b, hq, 1, store.v_dim, dtype=torch.float32)
+            return Partial(empty, torch.full((b, hq, 1), float("-inf"), device=query.device), attended=none)
+        keep = page_ok
+        if plan.page_full is not None:
+            full = plan.page_full.repeat_interleave(store.page_size, dim=-1)
+            full = full | sink_or_recent(fields["pos"], qpos[-1:], plan.n_sink, plan.window, plan.row_start)
+            keep = full if keep is None else keep & full
+        if sliding_window is not None:
+            near = qpos[-1:].to(torch.int64) - fields["pos"].to(torch.int64) < sliding_window
+            keep = near if keep is None else keep & near
+        bias = fields["bias"] if keep is None else fields["bias"].masked_fill(~keep, float("-inf"))
+        o, lse = fused_decode(query, keys, values, bias, scale, check_empty=not newest)
+        if sinks is not None:
+            o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
+        return Partial(o, lse, attended=torch.isfinite(bias).sum(-1) if count else None)
 
     def workspace_nbytes(self) -> int:
         """Bytes held by the gather workspace (not part of the stored KV)."""

@@ -63,10 +63,13 @@ class TritonBackend(TorchBackend):
         groups: int = 1,
         want_mass: bool = False,
         count: bool = False,
+        newest: bool = False,
     ) -> Partial:
         """As :meth:`TorchBackend.attend`; ``attended`` (with ``count``) is computed by the kernel."""
         if not self.fused(store, query.shape[2], groups, want_mass):
-            return super().attend(query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count)
+            return super().attend(
+                query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count, newest
+            )
         from pikv_hf.kernels.decode import decode_attention
 
         pool = store.pool

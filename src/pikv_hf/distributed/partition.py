@@ -76,6 +76,7 @@ class PartitionedStore:
         return self.parts
 
     offloaded: tuple = ()  # no partition is an offload tier
+    holds_newest = False  # the token being decoded sits in the partition of its shard, not in every one
 
     def append(
         self,
@@ -99,6 +100,9 @@ class PartitionedStore:
             if bool(here.any()):
                 d = part.device
                 part.append(keys.to(d), values.to(d), shard.to(d), pos.to(d), here.to(d), grow=grow)
+
+    def keep_summaries(self) -> None:
+        """The statistics of every shard are always kept here (the selection is global)."""
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The summaries of every shard of the layer (the same on every rank)."""

@@ -33,6 +33,7 @@ class ExactRead:
     """Every page (exact attention); also the policy of ``dense_layers`` under a sparse mode."""
 
     sparse = False
+    reads_summaries = False  # selects from the stores' shard summaries (they must be kept as tokens arrive)
 
     def __init__(self, config: ReadConfig) -> None:
         self.config = config

@@ -25,6 +25,7 @@ class RoutedRead(ExactRead):
     """Shard selection by the configured selector, optionally cut to a mass target (top-p)."""
 
     sparse = True
+    reads_summaries = True
 
     def __init__(self, config: ReadConfig) -> None:
         super().__init__(config)

@@ -18,6 +18,8 @@ from pikv_hf.store.paged import PagedStore
 class StoreGroup:
     """The hot store and its tiers, with the shard summary of all of them (what a selector reads)."""
 
+    holds_newest = True  # the first store (the hot one) holds the token being decoded
+
     def __init__(self, stores: list[PagedStore], offloaded: tuple[PagedStore, ...] = ()) -> None:
         self.stores, self.offloaded = stores, offloaded
         hot = stores[0]

@@ -5,7 +5,8 @@ page table run lists it (``table.py``). Per slot the pool holds the codec's key/
 
 ============  ========  ==========================================================================
 pos           int32     the token's sequence position (the layer's token ordinal, pads included); -1: empty
-valid         bool      False for empty slots and padding
+valid         bool      False for empty slots
+bias          model     0 for a token, -inf for an empty slot: the additive attention mask of an exact read
 attn_mass     float32   accumulated attention probability (``track_stats``)
 last_access   int32     position of the latest query that hit the slot (its own position until one does)
 hits          int32     queries that gave it more than a uniform share of their mass
@@ -83,11 +84,12 @@ class PagedStore:
         self.codec = codec or IdentityCodec()
         codec_fields = self.codec.fields(self.k_dim, self.v_dim, dtype)
         self.kv_fields = tuple(codec_fields)
-        specs = {**codec_fields, **_META_FIELDS}
+        specs = {**codec_fields, **_META_FIELDS, "bias": FieldSpec((), dtype, float("-inf"))}
         self.pool = PagePool({**specs, **(_STAT_SPECS if track_stats else {})}, page_size, device, storage)
         self.table = PageTable(batch, heads, num_shards, page_size, device)
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
-        self._sums_stale = False
+        self._sums_stale = False  # key sums lost track after a re-pack: recounted when a selector reads them
+        self._summarised = False  # key statistics kept at all (from the first summary() on; counts always)
         self._room = 0  # pages every run can still take without a relayout (a lower bound, kept on the host)
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
 
@@ -204,7 +206,8 @@ class PagedStore:
             for name, t in self.codec.encode(k, v).items():
                 self.pool.write(name, flat, t)
         self.pool.write("pos", flat, pos)
-        self.pool.write("valid", flat, torch.ones(flat.numel(), dtype=torch.bool, device=self.device))
+        self.pool.flat("valid").index_fill_(0, flat, True)
+        self.pool.flat("bias").index_fill_(0, flat, 0.0)
         if self.codec.page_level:
             self._append_pages(flat, k, v)
         for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
@@ -212,7 +215,7 @@ class PagedStore:
             self.pool.write(name, flat, fresh.to(self.pool.specs[name].dtype))
         page = flat.div(self.page_size, rounding_mode="floor")
         self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
-        self.stats.add(bhs, k)
+        self.stats.add(bhs, k, counts_only=not self._summarised)
         if self.page_bounds_kept:
             self._fold_page_bounds(page, k)
         return slot
@@ -380,16 +383,28 @@ class PagedStore:
         """Decoded keys ``[B, H, W * P, Dk]`` and values ``[B, H, W * P, Dv]`` over the frame."""
         return self.codec.decode({n: self.frame(n) for n in self.kv_fields})
 
+    def keep_summaries(self) -> None:
+        """Keep the key statistics selectors read (sums, squares, bounds per shard) from now on: computed from the
+        pages here, incrementally afterwards. A store nobody selects shards of (exact and Quest reads) keeps only
+        counts."""
+        if not self._summarised:
+            self._recount(bounds=True)
+            self._summarised = True
+
+    def _recount(self, bounds: bool) -> None:
+        t = self.table
+        run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(t.cap.reshape(-1))
+        keys, _ = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
+        shard = self.pool["shard"].long().clamp(min=0)
+        self.stats.recount(run * self.num_shards + shard, keys, self.pool["valid"], bounds=bounds)
+        self._sums_stale = False
+
     def summary(self, misses: torch.Tensor) -> ShardSummary:
-        """The shard summaries a selector reads (key sums recounted first if an eviction left them stale)."""
+        """The shard summaries a selector reads (kept from the first call on, see :meth:`keep_summaries`; the sums
+        recounted first after an eviction re-packed the pages)."""
+        self.keep_summaries()
         if self._sums_stale:
-            t = self.table
-            run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(t.cap.reshape(-1))
-            keys, _ = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
-            valid = self.pool["valid"]
-            shard = self.pool["shard"].long().clamp(min=0)
-            self.stats.recount(run * self.num_shards + shard, keys * valid.unsqueeze(-1))
-            self._sums_stale = False
+            self._recount(bounds=False)
         return self.stats.summary(misses)
 
     def tokens_per_shard(self) -> torch.Tensor:

@@ -25,9 +25,12 @@ class ShardStats:
         self.min = torch.full_like(self.sum, float("inf"))
         self.max = torch.full_like(self.sum, float("-inf"))
 
-    def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1) -> None:
+    def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1, counts_only: bool = False) -> None:
         """Fold ``[M, Dk]`` keys of flat ``(row, head, shard)`` ids ``bhs`` (``[M]``) in (``sign=1``) or out
-        (``sign=-1``)."""
+        (``sign=-1``); ``counts_only`` leaves the key statistics alone (a store whose summaries nobody reads yet)."""
+        if counts_only:
+            self.count.view(-1).index_add_(0, bhs, torch.ones_like(bhs), alpha=sign)
+            return
         k = keys.float()
         d = k.shape[-1]
         self.sum.view(-1, d).index_add_(0, bhs, k, alpha=sign)
@@ -38,14 +41,20 @@ class ShardStats:
             self.min.view(-1, d).scatter_reduce_(0, idx, k, "amin")
             self.max.view(-1, d).scatter_reduce_(0, idx, k, "amax")
 
-    def recount(self, bhs: torch.Tensor, keys: torch.Tensor) -> None:
-        """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]`` (zero in slots that hold no valid token)
-        and the flat ``(row, head, shard)`` id of each page ``bhs`` ``[N]``. Counts are the caller's; min / max are
-        kept (after a removal they still bound the keys)."""
-        k = keys.float()
+    def recount(self, bhs: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, bounds: bool = False) -> None:
+        """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat
+        ``(row, head, shard)`` id of each page ``bhs`` ``[N]``. Counts are the caller's; min / max are kept (after a
+        removal they still bound the keys) unless ``bounds`` asks for them anew."""
+        k = keys.float() * valid.unsqueeze(-1)
         d = k.shape[-1]
         self.sum.zero_().view(-1, d).index_add_(0, bhs, k.sum(1))
         self.sq.zero_().view(-1, d).index_add_(0, bhs, (k * k).sum(1))
+        if bounds:
+            idx = bhs.unsqueeze(-1).expand(-1, d)
+            lo = k.masked_fill(~valid.unsqueeze(-1), float("inf")).amin(1)
+            hi = k.masked_fill(~valid.unsqueeze(-1), float("-inf")).amax(1)
+            self.min.fill_(float("inf")).view(-1, d).scatter_reduce_(0, idx, lo, "amin")
+            self.max.fill_(float("-inf")).view(-1, d).scatter_reduce_(0, idx, hi, "amax")
 
     def index_batch(self, index: torch.Tensor) -> None:
         for name in ("sum", "sq", "count", "min", "max"):
