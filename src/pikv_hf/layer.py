@@ -190,6 +190,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.evicted = torch.zeros(b, h, dtype=torch.int64, device=key_states.device)
         self.row_start = torch.zeros(b, dtype=torch.int64, device=key_states.device)
         self._row_open = torch.ones(b, dtype=torch.bool, device=key_states.device)  # no real token stored yet
+        self._rows_open, self._padded = True, False  # host flags: some row still open / left padding seen
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -239,8 +240,9 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         token_index = self._token_index(q, key_states.device)
         self._note_rows(present, token_index)
         ctx = PlacementContext(
-            self.layer_idx, key_states, token_index, self.page_size, self.num_shards, present, self.row_start
-        )
+            self.layer_idx, key_states, token_index, self.page_size, self.num_shards, present,
+            self.row_start if self._padded else None,
+        )  # fmt: skip
         shard = self.placement.place(ctx)
         # the first chunk into an empty layer (no padding) is attended with SDPA over these tensors, then dropped
         self._fresh_kv = (key_states, value_states) if q > 1 and self.seen == 0 and present is None else None
@@ -248,6 +250,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.store.append(key_states, value_states, shard, token_index, slots_of, grow=not self.is_compileable)
         self._last_qpos = token_index
         self._advance(q)
+        if q > 1 and self.policy.sparse:
+            self.policy.prepare(self._group(), self.row_start)
         if self._index_pos is not None:  # head masks in use: their index space grows with the new tokens
             self._index_pos = torch.cat([self._index_pos, token_index.to(self._index_pos).expand(*shard.shape)], -1)
 
@@ -256,6 +260,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
 
     def _note_rows(self, present: torch.Tensor | None, token_index: torch.Tensor) -> None:
         """Record the position of each row's first real token (left padding: a row whose first tokens are pads)."""
+        if present is None and not self._rows_open:
+            return
         if present is None:
             first, real = token_index[0].expand_as(self.row_start), torch.ones_like(self._row_open)
         else:
@@ -263,6 +269,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         opening = self._row_open & real
         self.row_start = torch.where(opening, first, self.row_start)
         self._row_open = self._row_open & ~real
+        self._rows_open = bool(self._row_open.any())  # a host read, until every row has seen a real token
+        self._padded = self._padded or present is not None
 
     def attend(
         self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
@@ -371,6 +379,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
             self._min_evicted = int(self.evicted.min())
             self.row_start = self.row_start.index_select(0, index)
             self._row_open = self._row_open.index_select(0, index)
+            self._rows_open = bool(self._row_open.any())
             self._last_qpos = self._fresh_kv = None
             self._index_pos = None if self._index_pos is None else self._index_pos.index_select(0, index)
 

@@ -80,8 +80,9 @@ class DecodeStep:
                 self.groups,
                 s is mass_of,
                 record,
-            )  # fmt: skip
-            for s, plan in zip(stores, plans, strict=True)
+                i == 0 and group.holds_newest,  # the hot store holds the token being decoded
+            )
+            for i, (s, plan) in enumerate(zip(stores, plans, strict=True))
         ]
         mass = next((p for s, p in zip(stores, parts, strict=True) if s is mass_of), parts[0])
         if one:
@@ -114,29 +115,17 @@ class DecodeStep:
         store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), x.qpos[-1:])
 
     def _record(self, group: StoreGroup, plans: list[ReadPlan], out: Partial, sparse: bool) -> None:
+        """Add one decode step's read to ``stats`` (tensor operations only)."""
         d = group.device
-        read = [
-            (s.table.n_pages if plan.exact else (plan.pages >= 0).sum(-1)).sum().to(d)
-            for s, plan in zip(group.stores, plans, strict=True)
-        ]
-        counts = {
-            "steps": 1,
-            "sparse_steps": int(sparse),
-            "heads": group.batch * group.heads,
-            "tokens_attended": out.attended.to(d),
-            "pages_gathered": sum(read),
-            "pages_stored": sum(s.table.n_pages.sum().to(d) for s in group.stores),
-            "tokens_stored": sum(s.stats.count.sum().to(d) for s in group.stores),
-            "slots_gathered": sum(r * s.page_size for r, s in zip(read, group.stores, strict=True)),
-        }
-        fetched = [  # pages brought back from the offload tier
-            r * (s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages))
-            for r, s in zip(read, group.stores, strict=True)
-            if s in group.offloaded
-        ]
-        if fetched:
-            counts["bytes_fetched"] = sum(fetched)
-        self.stats.add(d, **counts)
+        values = []
+        for s, plan in zip(group.stores, plans, strict=True):
+            stored = s.table.n_pages.sum()
+            read = stored if plan.exact else (plan.pages >= 0).sum()
+            page_bytes = s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages) if s in group.offloaded else 0
+            values.append(torch.stack([read, stored, s.stats.count.sum(), read * s.page_size, read * page_bytes]))
+        per_store = values[0] if len(values) == 1 else torch.stack([v.to(d) for v in values]).sum(0)
+        attended = out.attended.sum().view(1).to(d)
+        self.stats.add_step(torch.cat([attended, per_store.to(d)]), sparse, group.heads * group.batch)
 
     def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan) -> None:
         """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning

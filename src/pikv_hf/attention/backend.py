@@ -120,10 +120,11 @@ class TorchBackend:
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """The fields ``names`` of the slots ``plan`` reads as ``[B, H, C, ...]`` (views of the pool for an exact
         read of uniform runs, a gather otherwise), the global page id of each planned page (``[B, H, n]``, ``-1``:
-        none; the whole frame for an exact read) and ``[B, H, C]`` bool, True for slots of real pages (None: all)."""
+        none; None for a view of the whole frame: ``store.table.pages()``) and ``[B, H, C]`` bool, True for slots of
+        real pages (None: all)."""
         b, h, p, t = store.batch, store.heads, store.page_size, store.table
         if plan.exact and t.uniform:
-            return {n: store.frame(n) for n in names}, t.pages(), None
+            return {n: store.frame(n) for n in names}, None, None
         pages = t.pages(plan.pages)
         flat = pages.clamp(min=0).reshape(-1)
         n = pages.shape[-1]
@@ -159,6 +160,8 @@ class TorchBackend:
             return self._attend_fused(query, store, plan, qpos, scale, sliding_window, sinks, count, newest)
         p = store.page_size
         fields, pages, page_ok = self.read_fields(store, plan, (*store.kv_fields, "pos", "valid"))
+        if pages is None and (groups > 1 or want_mass):
+            pages = store.table.pages()
         ok = fields["valid"] if page_ok is None else fields["valid"] & page_ok
         ok = readable(ok, fields["pos"], plan, qpos, p)
         keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})

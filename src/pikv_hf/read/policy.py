@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from pikv_hf.config import ReadConfig
-from pikv_hf.read.plan import ReadPlan, sink_or_recent
+from pikv_hf.read.plan import ReadPlan
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
 
@@ -45,6 +45,9 @@ class ExactRead:
         (``[B, H, G, D]``) of the token at position ``qpos`` (one-element tensor)."""
         return [ReadPlan() for _ in group.stores]
 
+    def prepare(self, group: StoreGroup, row_start: torch.Tensor) -> None:
+        """After a prefill chunk (outside decode steps): build what plans keep up to date as tokens arrive."""
+
     def learns(self) -> bool:
         return False
 
@@ -61,13 +64,30 @@ class ExactRead:
         """Forget per-sequence state."""
 
 
+class SparseRead(ExactRead):
+    """Base of the policies that always read sinks and the recent window: their slots are kept by the stores
+    (``PagedStore.special_slots``), found once after a prefill so that decode steps never scan the frame."""
+
+    sparse = True
+
+    def prepare(self, group: StoreGroup, row_start: torch.Tensor) -> None:
+        for store in group.stores:
+            store.special_slots(self.config.n_sink, self.config.window, row_start.to(store.device))
+
+
 def special_pages(
     store: PagedStore, qpos: torch.Tensor, n_sink: int, window: int, row_start: torch.Tensor
 ) -> torch.Tensor:
-    """``[B, H, W]`` bool: frame pages holding a valid sink or recent-window token (always read)."""
+    """``[B, H, W]`` bool: frame pages holding a valid sink or recent-window token (always read), from the slots the
+    store keeps of them (no scan of the frame)."""
     b, h, w, p = store.batch, store.heads, store.table.width(), store.page_size
-    hot = store.frame("valid") & sink_or_recent(store.frame("pos"), qpos, n_sink, window, row_start)
-    return hot.view(b, h, w, p).any(-1)
+    slots = store.special_slots(n_sink, window, row_start)  # [B, H, n_sink + window]
+    pos = store.pool.flat("pos")[slots.clamp(min=0)].to(torch.int64)
+    inside = torch.arange(slots.shape[-1], device=slots.device) < n_sink  # sinks, then the most recent tokens
+    keep = (slots >= 0) & (inside | (pos > qpos.reshape(()) - window))
+    local = slots.div(p, rounding_mode="floor") - store.table.start.unsqueeze(-1)
+    at = torch.where(keep, local, w)  # what is not kept lands in an extra column, cut below
+    return torch.zeros(b, h, w + 1, dtype=torch.bool, device=slots.device).scatter_(2, at, True)[..., :w]
 
 
 def make_policy(config: ReadConfig, layer_idx: int) -> ExactRead:

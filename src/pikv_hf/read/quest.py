@@ -9,18 +9,16 @@ import math
 import torch
 
 from pikv_hf.read.plan import ReadPlan
-from pikv_hf.read.policy import ExactRead, register, special_pages
+from pikv_hf.read.policy import SparseRead, register, special_pages
 from pikv_hf.routing.scores import upper_bounds
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
 
 
 @register("quest")
-class QuestRead(ExactRead):
+class QuestRead(SparseRead):
     """Per-page selection from incrementally kept page key bounds; the plan is ``ceil(read_fraction * W)`` pages wide
     for a frame of ``W`` pages (each (row, head) fills its own budget of ``ceil(read_fraction * n_pages)``)."""
-
-    sparse = True
 
     def plans(
         self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos: torch.Tensor, row_start: torch.Tensor

@@ -12,7 +12,7 @@ import torch
 
 from pikv_hf.config import ReadConfig
 from pikv_hf.read.plan import ReadPlan, compact
-from pikv_hf.read.policy import ExactRead, register, special_pages
+from pikv_hf.read.policy import SparseRead, register, special_pages
 from pikv_hf.routing import Selector, make_selector
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.routing.scores import estimated_mass
@@ -21,10 +21,9 @@ from pikv_hf.store.group import StoreGroup
 
 
 @register("routed")
-class RoutedRead(ExactRead):
+class RoutedRead(SparseRead):
     """Shard selection by the configured selector, optionally cut to a mass target (top-p)."""
 
-    sparse = True
     reads_summaries = True
 
     def __init__(self, config: ReadConfig) -> None:
@@ -59,13 +58,15 @@ class RoutedRead(ExactRead):
             self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=store.device)
         summary = store.summary(self.misses)
         selected = self.selector.select(qg, summary, cfg.top_k_shards)
-        keep = torch.ones_like(selected, dtype=torch.bool)
-        if cfg.mass_target is not None:  # shortest ranked prefix reaching the target (always >= 1 shard)
+        if cfg.mass_target is None:
+            keep = torch.ones_like(selected, dtype=torch.bool)
+        else:  # the shortest ranked prefix reaching the target (always >= 1 shard)
             covered = estimated_mass(qg, summary, scale).gather(2, selected).cumsum(-1)
-            keep[..., 1:] = covered[..., :-1] < cfg.mass_target
-        chosen = torch.zeros(b, h, s, dtype=torch.bool, device=store.device).scatter_(2, selected, keep)
-        lost = ~summary.resident if self.shard_evicted is None else (self.shard_evicted > 0) | ~summary.resident
-        self.misses += (chosen & lost).long()  # selected shards that lost tokens to eviction or sit off-device
+            keep = torch.cat([covered.new_ones(b, h, 1, dtype=torch.bool), covered[..., :-1] < cfg.mass_target], -1)
+        if self.selector.reads_misses:  # selected shards that lost tokens to eviction or sit off-device
+            chosen = torch.zeros(b, h, s, dtype=torch.bool, device=store.device).scatter_(2, selected, keep)
+            lost = ~summary.resident if self.shard_evicted is None else (self.shard_evicted > 0) | ~summary.resident
+            self.misses += (chosen & lost).long()
         self._last = (summary, selected)
         return selected, keep
 
@@ -87,6 +88,8 @@ class RoutedRead(ExactRead):
         full = chosen.gather(2, page_shard.clamp(min=0)) & (page_shard >= 0)
         need = full | special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
         pages = compact(need, store.table.width())
+        if store.page_size == 1:  # a sink or window page holds just that token: every planned page is read whole
+            return ReadPlan(pages)
         page_full = full.gather(2, pages.clamp(min=0)) & (pages >= 0)
         return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start)
 

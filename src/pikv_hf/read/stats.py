@@ -12,15 +12,16 @@ import torch
 FIELDS = (
     "steps",  # decode steps of this layer
     "sparse_steps",  # of those, read under the routed / Quest policy (the others read densely)
-    "dense_passes",  # dense attention weights computed besides the read (output_attentions)
-    "heads",  # (row, KV head) pairs of the sparse steps
+    "heads",  # (row, KV head) pairs of the steps
     "tokens_attended",
-    "tokens_stored",
     "pages_gathered",
     "pages_stored",
+    "tokens_stored",
     "slots_gathered",  # pages read x page size
     "bytes_fetched",  # key/value bytes of pages read from tiers on another device (offload)
+    "dense_passes",  # dense attention weights computed besides the read (output_attentions)
 )
+STEP_FIELDS = FIELDS[3:9]  # what :meth:`ReadStats.add_step` takes as one tensor
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -31,14 +32,28 @@ class ReadStats:
         self.total: torch.Tensor | None = None  # [len(FIELDS)] int64 on the layer's device
         self.recall_sum = 0.0
         self.recall_heads = 0
+        self._step_counts: dict[tuple, torch.Tensor] = {}  # (sparse, heads, device) -> [3] constant counts
 
-    def add(self, device: torch.device, **counts: torch.Tensor | int) -> None:
-        """Add ``counts`` (int64 tensors of any shape, summed, or Python ints) to the named counters."""
+    def _total(self, device: torch.device) -> torch.Tensor:
         if self.total is None or self.total.device != device:
             self.total = torch.zeros(len(FIELDS), dtype=torch.int64, device=device)
-        values = [torch.as_tensor(v, device=device).sum().to(torch.int64) for v in counts.values()]
-        index = torch.tensor([_INDEX[name] for name in counts], device=device)
-        self.total.index_add_(0, index, torch.stack(values))
+        return self.total
+
+    def add_step(self, values: torch.Tensor, sparse: bool, heads: int) -> None:
+        """One decode step: ``values`` (int64 ``[6]``, the counters of ``STEP_FIELDS``), whether it read sparsely and
+        how many (row, KV head) pairs it read for. Two in-place additions."""
+        total = self._total(values.device)
+        key = (sparse, heads, values.device)
+        if key not in self._step_counts:
+            self._step_counts[key] = torch.tensor([1, int(sparse), heads], dtype=torch.int64, device=values.device)
+        total[:3] += self._step_counts[key]
+        total[3:9] += values
+
+    def add(self, device: torch.device, **counts: int) -> None:
+        """Add Python ``counts`` to the named counters."""
+        total = self._total(device)
+        for name, value in counts.items():
+            total[_INDEX[name]] += value
 
     def add_recall(self, recall: torch.Tensor) -> None:
         """Recall of one step (``[B, H]``): read back to the host (only on steps that measure it)."""

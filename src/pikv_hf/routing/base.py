@@ -96,6 +96,11 @@ class ShardSummary:
         had been evicted.
     key_var : torch.Tensor, optional
         ``[B, H, S, D]`` float32 per-dimension variance of the shard's keys (zeros for an empty shard).
+
+    Notes
+    -----
+    :meth:`query_dots` remembers ``q . centroids`` for the query it was last asked about, so a selector and the mass
+    estimate of one decode step share one product.
     """
 
     centroids: torch.Tensor
@@ -110,9 +115,19 @@ class ShardSummary:
     def num_shards(self) -> int:
         return self.counts.shape[-1]
 
+    def query_dots(self, query: torch.Tensor) -> torch.Tensor:
+        """``[B, H, G, S]`` float32 ``q_g . c_s`` of the query rows ``query`` (``[B, H, G, D]``) with every centroid."""
+        memo = self.__dict__.get("_dots")
+        if memo is None or memo[0] is not query:
+            memo = (query, query.float() @ self.centroids.float().transpose(-1, -2))
+            self.__dict__["_dots"] = memo
+        return memo[1]
+
 
 class Selector:
     """Base class of selection routers.
+
+    ``reads_misses``: the selector reads ``ShardSummary.misses`` (the cache then counts them at every step).
 
     ``select(query, summary, k)`` receives ``query`` of shape ``[B, H, G, D]`` (the ``G = q * (H_q / H)`` query
     rows that share each KV head, post-RoPE, already scaled or not: selectors must be scale-invariant) and returns
@@ -121,6 +136,7 @@ class Selector:
     """
 
     name: str = ""
+    reads_misses = False
 
     def select(self, query: torch.Tensor, summary: ShardSummary, k: int) -> torch.Tensor:
         raise NotImplementedError

@@ -34,6 +34,7 @@ class CacheAwareSelector(Selector):
     """
 
     name = "cache_aware"
+    reads_misses = True
 
     def __init__(self, miss_weight: float = 0.5, offload_penalty: float = 1.0, score: str = "centroid") -> None:
         self.miss_weight = check_weight("miss_weight", miss_weight)

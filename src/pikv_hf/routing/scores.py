@@ -59,8 +59,7 @@ def centroid_scores(query: torch.Tensor, summary: ShardSummary) -> torch.Tensor:
     torch.Tensor
         ``[B, H, S]`` float32 ``max_g q_g . c_s``; ``-inf`` for an empty shard.
     """
-    q = query.float()
-    scores = (q @ summary.centroids.float().transpose(-1, -2)).amax(dim=-2)
+    scores = summary.query_dots(query).amax(dim=-2)
     return scores.masked_fill(summary.counts == 0, float("-inf"))
 
 
@@ -137,10 +136,9 @@ def estimated_mass(query: torch.Tensor, summary: ShardSummary, scale: float) -> 
     if summary.key_var is None:
         raise ValueError("summary.key_var is required to estimate attention mass")
     q = query.float()
-    logit = scale * (q @ summary.centroids.float().transpose(-1, -2))
-    logit = logit + 0.5 * scale**2 * (q.square() @ summary.key_var.float().transpose(-1, -2))
-    empty = (summary.counts == 0).unsqueeze(-2)
-    logit = (logit + summary.counts.clamp(min=1).float().log().unsqueeze(-2)).masked_fill(empty, float("-inf"))
+    spread = q.square() @ summary.key_var.float().transpose(-1, -2)
+    log_n = summary.counts.float().log().unsqueeze(-2)  # -inf for an empty shard: no share
+    logit = summary.query_dots(query) * scale + spread * (0.5 * scale**2) + log_n
     return torch.softmax(logit, dim=-1).mean(dim=-2)
 
 

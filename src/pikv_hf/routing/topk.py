@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.routing.base import Selector, ShardSummary, check_select_args
-from pikv_hf.routing.scores import check_score_kind, masked_topk, shard_log_probs
+from pikv_hf.routing.scores import check_score_kind, query_scores
 
 
 class TopKSelector(Selector):
@@ -34,4 +34,7 @@ class TopKSelector(Selector):
 
     def select(self, query: torch.Tensor, summary: ShardSummary, k: int) -> torch.Tensor:
         check_select_args(query, summary, k)
-        return masked_topk(shard_log_probs(query, summary, self.score), k, summary.counts > 0)
+        # standardising is a positive affine map per row and log-softmax is increasing: the raw scores rank the same;
+        # they are -inf for empty shards, which therefore come last (in id order), as masked_topk orders them
+        scores = query_scores(query, summary, self.score)
+        return scores.argsort(dim=-1, descending=True, stable=True)[..., : int(k)]

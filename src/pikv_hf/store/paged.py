@@ -92,6 +92,7 @@ class PagedStore:
         self._summarised = False  # key statistics kept at all (from the first summary() on; counts always)
         self._room = 0  # pages every run can still take without a relayout (a lower bound, kept on the host)
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
+        self._marks: dict | None = None  # slots of the sink and recent-window tokens (special_slots), kept on appends
 
     @property
     def batch(self) -> int:
@@ -118,6 +119,7 @@ class PagedStore:
         used = j < n_pages.unsqueeze(-1)
         src[(self.table.start.unsqueeze(-1) + j)[used]] = (src_start.unsqueeze(-1) + j)[used]
         self.pool.remap_pages(src)
+        self._marks = None  # pages moved: slot ids changed
         self._room = int((cap - n_pages).min()) if cap.numel() else 0
 
     def _reserve(self, need: torch.Tensor, q: int) -> None:
@@ -189,12 +191,13 @@ class PagedStore:
             self._reserve(a.need, q)
         self.table.commit(a)
         slot = (self.table.start.unsqueeze(-1) + a.local_page) * self.page_size + a.offset
+        pos_one = pos.reshape(-1)[0] if q == 1 and present is None else None
         flat_tokens = (
             keys.reshape(-1, self.k_dim),
             values.reshape(-1, self.v_dim),
             shard.reshape(-1),
-            pos.to(torch.int32).expand(b, h, q).reshape(-1),
-            self._bhs(shard).reshape(-1),
+            pos if pos_one is not None else pos.to(torch.int32).expand(b, h, q).reshape(-1),
+            self._bhs(shard).reshape(-1) if self._summarised or present is not None else shard,
             slot.reshape(-1),
         )
         if present is not None:
@@ -205,20 +208,58 @@ class PagedStore:
         if not self.codec.page_level:
             for name, t in self.codec.encode(k, v).items():
                 self.pool.write(name, flat, t)
-        self.pool.write("pos", flat, pos)
+        if pos_one is not None:  # one position for every (row, head): a fill, no expanded copy
+            self.pool.flat("pos").index_fill_(0, flat, pos_one)
+        else:
+            self.pool.write("pos", flat, pos)
         self.pool.flat("valid").index_fill_(0, flat, True)
         self.pool.flat("bias").index_fill_(0, flat, 0.0)
         if self.codec.page_level:
             self._append_pages(flat, k, v)
         for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
+            if pos_one is not None:
+                self.pool.flat(name).index_fill_(0, flat, pos_one if name == "last_access" else 0)
+                continue
             fresh = pos if name == "last_access" else torch.zeros(flat.numel(), device=self.device)
             self.pool.write(name, flat, fresh.to(self.pool.specs[name].dtype))
         page = flat.div(self.page_size, rounding_mode="floor")
         self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
-        self.stats.add(bhs, k, counts_only=not self._summarised)
+        if self._summarised or present is not None:
+            self.stats.add(bhs, k, counts_only=not self._summarised)
+        else:  # counts only, one [B, H, S] scatter
+            self.stats.count.scatter_add_(2, shard, torch.ones_like(shard))
         if self.page_bounds_kept:
             self._fold_page_bounds(page, k)
+        if self._marks is not None:  # the newest tokens enter the recent window (absent ones as -1)
+            window = self._marks["recent"].shape[-1]
+            self._marks["recent"] = torch.cat([self._marks["recent"], slot], -1)[..., -window:]
         return slot
+
+    def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n_sink + window]`` flat slots (``-1``: none) of each (row, head)'s first ``n_sink`` real tokens
+        (positions counted from ``row_start``) and of its ``window`` most recently stored ones: what sparse reads
+        always read. Found in the frame once, then kept as tokens arrive (until pages move); a caller restricts the
+        recent ones to its window's positions."""
+        m = self._marks
+        if m is None or m["key"] != (n_sink, window) or m["short"]:
+            m = self._marks = self._scan_special(n_sink, window, row_start)
+        return torch.cat([m["sinks"], m["recent"]], -1)
+
+    def _scan_special(self, n_sink: int, window: int, row_start: torch.Tensor) -> dict:
+        pos, valid, slots = self.frame("pos").to(torch.int64), self.frame("valid"), self.frame_slots()
+        none = torch.iinfo(torch.int64).max
+
+        def ranked(key: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+            k_in = min(k, key.shape[-1])
+            at = key.topk(k_in, dim=-1, largest=largest).indices
+            found = torch.where(key.gather(2, at).abs() != none, slots.gather(2, at), -1)
+            return torch.nn.functional.pad(found, (0, k - k_in), value=-1)
+
+        rel = pos - row_start.view(-1, 1, 1)
+        sinks = ranked(torch.where(valid & (rel < n_sink), rel, none), n_sink, largest=False)
+        recent = ranked(torch.where(valid, pos, -none), window, largest=True).flip(-1)  # oldest first, as appended
+        short = bool((sinks < 0).any()) if n_sink else False  # a row with fewer sinks yet: scan again next time
+        return {"key": (n_sink, window), "sinks": sinks, "recent": recent, "short": short}
 
     def _append_pages(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Page-level codecs: re-encode every page that tokens ``keys`` / ``values`` (``[M, D]``, at flat slots
@@ -304,6 +345,7 @@ class PagedStore:
         if self.codec.page_level:  # decoded before the slots move: their pages' fields are rebuilt below
             dec_k, dec_v = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
         self.pool.remap_slots(src_of_slot, {"shard": shard_of_page})
+        self._marks = None  # slots moved
         if self.codec.page_level and total:
             take = src_of_slot.clamp(min=0)
             keys = dec_k.reshape(-1, self.k_dim)[take].view(total, p, self.k_dim)
@@ -312,7 +354,7 @@ class PagedStore:
             self._encode_pages(every, keys, values, torch.zeros_like(self.pool["valid"]), dict(self.pool.fields))
         t.n_pages = n_pages
         t.open_page = torch.where(count > 0, page_base + npg - 1, -1)
-        t.open_fill = torch.where(count > 0, count - (npg - 1) * p, 0)
+        t.open_fill = torch.where(count > 0, count - (npg - 1) * p, p)
         self.stats.count = count
         self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
         self._room = int((t.cap - n_pages).min()) if n_pages.numel() else 0
@@ -322,6 +364,7 @@ class PagedStore:
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Keep / reorder batch rows along ``index`` (int64 ``[B']``)."""
+        self._marks = None
         t = self.table
         src_start, cap = t.start.index_select(0, index), t.cap.index_select(0, index)
         t.index_batch(index)
@@ -349,6 +392,7 @@ class PagedStore:
 
     def to(self, device: torch.device) -> None:
         """Move every tensor (pool, page table, shard statistics) to ``device``."""
+        self._marks = None
         self.device = self.pool.device = self.table.device = device
         self.pool.fields = {n: t.to(device, non_blocking=True) for n, t in self.pool.fields.items()}
         for owner, names in (

@@ -24,6 +24,7 @@ class ShardStats:
         self.count = torch.zeros(shape, dtype=torch.int64, device=device)
         self.min = torch.full_like(self.sum, float("inf"))
         self.max = torch.full_like(self.sum, float("-inf"))
+        self._resident: torch.Tensor | None = None  # every shard resident (a store holds its own pages)
 
     def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1, counts_only: bool = False) -> None:
         """Fold ``[M, Dk]`` keys of flat ``(row, head, shard)`` ids ``bhs`` (``[M]``) in (``sign=1``) or out
@@ -64,14 +65,16 @@ class ShardStats:
         """The shards as a selector sees them (every shard is resident: no offload tier yet)."""
         n = self.count.clamp(min=1).unsqueeze(-1)
         centroids = self.sum / n
+        if self._resident is None or self._resident.shape != self.count.shape:
+            self._resident = torch.ones_like(self.count, dtype=torch.bool)
         return ShardSummary(
             centroids=centroids,
             counts=self.count,
             key_min=self.min,
             key_max=self.max,
-            resident=torch.ones_like(self.count, dtype=torch.bool),
+            resident=self._resident,
             misses=misses,
-            key_var=(self.sq / n - centroids.square()).clamp(min=0),
+            key_var=torch.addcmul(self.sq / n, centroids, centroids, value=-1).clamp_(min=0),
         )
 
     def nbytes(self) -> int:

@@ -14,7 +14,7 @@ start       ``[B, H]``      first pool page of the run
 cap         ``[B, H]``      pages reserved by the run
 n_pages     ``[B, H]``      pages in use
 open_page   ``[B, H, S]``   local index of each shard's open page (-1: none)
-open_fill   ``[B, H, S]``   tokens in that page
+open_fill   ``[B, H, S]``   tokens in that page (``P`` when there is none: a new token opens a page)
 ==========  ==============  ===================================================
 """
 
@@ -44,7 +44,7 @@ class PageTable:
         z = torch.zeros(batch, heads, dtype=torch.int64, device=device)
         self.start, self.cap, self.n_pages = z, z.clone(), z.clone()
         self.open_page = torch.full((batch, heads, self.num_shards), -1, dtype=torch.int64, device=device)
-        self.open_fill = torch.zeros_like(self.open_page)
+        self.open_fill = torch.full_like(self.open_page, self.page_size)
         self.uniform = True  # every run has the same capacity: fields are [B, H, cap * P, ...] views
         self._width = 0  # the largest capacity (a Python int, so reading the frame width needs no device sync)
 
@@ -102,7 +102,7 @@ class PageTable:
         rank = torch.empty_like(shard).scatter_(2, order, sorted_rank)
         count = counts[..., :s]
 
-        base = torch.where(self.open_page >= 0, self.open_fill, p)  # fill of each shard's open page (P: none)
+        base = self.open_fill  # fill of each shard's open page (P: none)
         n_new = (base + count - p).clamp(min=0).add(p - 1).div(p, rounding_mode="floor")  # new pages per shard
         first_new = self.n_pages.unsqueeze(-1) + n_new.cumsum(-1) - n_new
         t = base.gather(-1, shard) + rank  # offset from the start of the shard's open page
@@ -123,10 +123,10 @@ class PageTable:
         p = self.page_size
         page = self.open_page.gather(-1, shard)  # [B, H, 1]
         fill = self.open_fill.gather(-1, shard)
-        new = (page < 0) | (fill >= p)
+        new = fill >= p  # the shard's page is full, or it has none
         n_pages = self.n_pages.unsqueeze(-1)
         local_page = torch.where(new, n_pages, page)
-        offset = torch.where(new, 0, fill)
+        offset = fill.masked_fill(new, 0)
         return Assignment(
             local_page=local_page,
             offset=offset,
