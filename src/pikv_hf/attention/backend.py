@@ -133,7 +133,8 @@ class TorchBackend:
             name: self._gather(store, name, flat).view(b, h, n if specs[name].per_page else n * p, *specs[name].shape)
             for name in names
         }
-        return fields, pages, (pages >= 0).repeat_interleave(p, dim=-1)
+        page_ok = pages >= 0
+        return fields, pages, page_ok if p == 1 else page_ok.repeat_interleave(p, dim=-1)
 
     def attend(
         self,
@@ -209,8 +210,11 @@ class TorchBackend:
         """A decode token through the flash kernel; the mask is the slots' stored ``bias``, restricted by the plan's
         pages and the sliding window where they apply."""
         restricted = plan.page_full is not None or sliding_window is not None
-        names = (*store.kv_fields, "bias", *(("pos",) if restricted else ()))
+        whole = not plan.exact and store.page_size == 1 and not restricted  # planned one-token pages all hold one
+        names = (*store.kv_fields, *(() if whole else ("bias",)), *(("pos",) if restricted else ()))
         fields, _, page_ok = self.read_fields(store, plan, names)
+        if whole:
+            fields["bias"] = torch.zeros(page_ok.shape, dtype=store.dtype, device=store.device)
         keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
         if keys.shape[2] == 0:  # a store with no page yet (a partition): no key, a partial that merges away
             b, hq = query.shape[:2]
@@ -229,7 +233,7 @@ class TorchBackend:
         o, lse = fused_decode(query, keys, values, bias, scale, check_empty=not newest)
         if sinks is not None:
             o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
-        return Partial(o, lse, attended=torch.isfinite(bias).sum(-1) if count else None)
+        return Partial(o, lse, attended=(bias == 0).sum(-1) if count else None)
 
     def workspace_nbytes(self) -> int:
         """Bytes held by the gather workspace (not part of the stored KV)."""

@@ -62,7 +62,7 @@ class RoutedRead(SparseRead):
             keep = torch.ones_like(selected, dtype=torch.bool)
         else:  # the shortest ranked prefix reaching the target (always >= 1 shard)
             covered = estimated_mass(qg, summary, scale).gather(2, selected).cumsum(-1)
-            keep = torch.cat([covered.new_ones(b, h, 1, dtype=torch.bool), covered[..., :-1] < cfg.mass_target], -1)
+            keep = torch.nn.functional.pad(covered[..., :-1] < cfg.mass_target, (1, 0), value=True)
         if self.selector.reads_misses:  # selected shards that lost tokens to eviction or sit off-device
             chosen = torch.zeros(b, h, s, dtype=torch.bool, device=store.device).scatter_(2, selected, keep)
             lost = ~summary.resident if self.shard_evicted is None else (self.shard_evicted > 0) | ~summary.resident
@@ -82,10 +82,10 @@ class RoutedRead(SparseRead):
         and the pages holding the row's sink and recent-window tokens (of those, only the sink / recent tokens
         count)."""
         cfg = self.config
-        chosen = torch.zeros(*selected.shape[:2], store.num_shards, dtype=torch.bool, device=store.device)
+        s = store.num_shards
+        chosen = torch.zeros(*selected.shape[:2], s + 1, dtype=torch.bool, device=store.device)  # S: no shard
         chosen.scatter_(2, selected, keep)
-        page_shard = store.frame("shard").long()
-        full = chosen.gather(2, page_shard.clamp(min=0)) & (page_shard >= 0)
+        full = chosen.gather(2, store.frame("shard").long() % (s + 1))  # an unused page (-1) reads column S
         need = full | special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
         pages = compact(need, store.table.width())
         if store.page_size == 1:  # a sink or window page holds just that token: every planned page is read whole

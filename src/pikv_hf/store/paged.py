@@ -197,7 +197,7 @@ class PagedStore:
             values.reshape(-1, self.v_dim),
             shard.reshape(-1),
             pos if pos_one is not None else pos.to(torch.int32).expand(b, h, q).reshape(-1),
-            self._bhs(shard).reshape(-1) if self._summarised or present is not None else shard,
+            self._bhs(shard).reshape(-1) if present is not None or q > 1 else shard,
             slot.reshape(-1),
         )
         if present is not None:
@@ -224,9 +224,11 @@ class PagedStore:
             self.pool.write(name, flat, fresh.to(self.pool.specs[name].dtype))
         page = flat.div(self.page_size, rounding_mode="floor")
         self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
-        if self._summarised or present is not None:
+        if present is not None or q > 1:
             self.stats.add(bhs, k, counts_only=not self._summarised)
-        else:  # counts only, one [B, H, S] scatter
+        elif self._summarised:  # one token per (row, head): one scatter per statistic
+            self.stats.add_one(shard, keys)
+        else:  # counts only
             self.stats.count.scatter_add_(2, shard, torch.ones_like(shard))
         if self.page_bounds_kept:
             self._fold_page_bounds(page, k)

@@ -42,6 +42,17 @@ class ShardStats:
             self.min.view(-1, d).scatter_reduce_(0, idx, k, "amin")
             self.max.view(-1, d).scatter_reduce_(0, idx, k, "amax")
 
+    def add_one(self, shard: torch.Tensor, keys: torch.Tensor) -> None:
+        """Fold in one new key per (row, head): ``shard`` ``[B, H, 1]``, ``keys`` ``[B, H, 1, Dk]`` (a decode step; one
+        scatter per statistic)."""
+        k = keys.float()
+        at = shard.unsqueeze(-1).expand(*shard.shape, k.shape[-1])
+        self.sum.scatter_add_(2, at, k)
+        self.sq.scatter_add_(2, at, k * k)
+        self.count.scatter_add_(2, shard, torch.ones_like(shard))
+        self.min.scatter_reduce_(2, at, k, "amin")
+        self.max.scatter_reduce_(2, at, k, "amax")
+
     def recount(self, bhs: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, bounds: bool = False) -> None:
         """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat
         ``(row, head, shard)`` id of each page ``bhs`` ``[N]``. Counts are the caller's; min / max are kept (after a

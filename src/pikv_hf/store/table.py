@@ -75,7 +75,9 @@ class PageTable:
         default of the frame ``0 .. width() - 1`` of every run (reserved but unused pages included)."""
         if local is None:
             local = torch.arange(self.width(), device=self.device).expand(self.batch, self.heads, -1)
-        ok = (local >= 0) & (local < self.cap.unsqueeze(-1))
+            ok = local < self.cap.unsqueeze(-1)  # the frame runs past shorter runs' capacity
+        else:
+            ok = local >= 0  # a plan names pages in use
         return torch.where(ok, self.start.unsqueeze(-1) + local, -1)
 
     def assign(self, shard: torch.Tensor, present: torch.Tensor | None = None) -> Assignment:
