@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint results notebooks bench bench-store bench-memory bench-scheduling bench-distributed bench-kernels clean-venv
+.PHONY: demo test lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -43,6 +43,17 @@ bench: $(STAMP)
 		--out benchmarks/results/decode_speed_cpu.json
 	$(PY) benchmarks/bench_decode.py --contexts 8192 16384 32768 --steps 5 --repeats 15 --threads 1 --page-size 1 \
 		--out benchmarks/results/decode_speed_page1_cpu.json
+
+# End to end on the real SmolLM2 (and its 8-expert upcycle): ms/token of every way against DynamicCache in one run,
+# prefill, KV bytes, fraction read, and where a routed step's time goes (~2.5 h on 2 cores; resumes from the JSON)
+E2E := benchmarks/results/e2e_cpu.json
+bench-e2e: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 1 --batches 1 4 \
+		--contexts 2048 4096 8192 --profile --out $(E2E)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2-moe --threads 1 --batches 1 --contexts 2048 8192 \
+		--out $(E2E)
+	OMP_NUM_THREADS=2 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 2 --batches 1 --contexts 2048 8192 \
+		--out $(E2E)
 
 # Page store: ragged budgets (100% / 12.5% of heads) bytes against the bound, eviction cost against one decode attention
 bench-store: $(STAMP)

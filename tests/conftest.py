@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Deterministic, non-oversubscribed CPU runs (REFERENCE.md section 1: tiny generates vary 300x on a loaded box).
@@ -9,3 +10,12 @@ torch.set_num_threads(int(os.environ.get("PIKV_TEST_THREADS", "1")))
 # decorated, i.e. when pikv_hf.kernels is first imported, so it is set here, before any test module is collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def sparse_reads_at_every_length(monkeypatch):
+    """The tests decode a few dozen tokens: their routed and Quest caches read sparsely from the first step (a user's
+    default is the measured threshold of ``pikv_hf.config.SPARSE_FROM``; tests/test_routed.py checks it)."""
+    import pikv_hf.config
+
+    monkeypatch.setattr(pikv_hf.config, "SPARSE_FROM", dict.fromkeys(pikv_hf.config.SPARSE_FROM, 0))

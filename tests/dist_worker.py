@@ -26,7 +26,7 @@ from pikv_hf.distributed import CollectiveError, ShardPlan, init_process_group
 from pikv_hf.tiny import tiny_model
 
 PROMPT_LEN, STEPS, PAGE_SIZE, NUM_SHARDS = 24, 50, 4, 4
-MODES = {"exact": {}, "routed": dict(attention="routed", top_k_shards=2, n_sink=2, window=8)}
+MODES = {"exact": {}, "routed": dict(attention="routed", top_k_shards=2, n_sink=2, window=8, sparse_from=0)}
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:

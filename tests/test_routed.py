@@ -161,9 +161,36 @@ def test_dense_layers_decode_exactly_and_count_a_full_read(attention):
     assert sparse_layer["fraction_tokens_attended"] < 1.0
 
 
+@pytest.mark.parametrize("attention", ["routed", "quest"])
+def test_below_sparse_from_steps_read_densely_and_are_counted(attention, monkeypatch):
+    """A step reads sparsely once the layer has seen ``sparse_from`` positions per row: before, it equals exact
+    attention (DynamicCache) and ``routing_stats`` counts it as a dense step. Unset, the threshold is the mode's
+    measured default."""
+    import pikv_hf.config
+
+    monkeypatch.setattr(pikv_hf.config, "SPARSE_FROM", {"routed": 8192, "quest": 4096})  # the shipped values
+    ref, model = model_pair("mixtral")
+    ids = prompt(41)  # 41 prompt tokens, then 7 decode steps that see 42 .. 48 positions (their own token included)
+    out_ref = generate(ref, ids, DynamicCache())
+    sparse = dict(top_k_shards=1) if attention == "routed" else dict(read_fraction=0.2)
+    default = pikv(model, "key_cluster", attention=attention, n_sink=1, window=2, **sparse)
+    assert default.read.sparse_threshold == {"routed": 8192, "quest": 4096}[attention]
+    out = generate(model, ids, default)
+    assert torch.equal(out_ref.sequences, out.sequences) and max_logit_diff(out_ref.logits, out.logits) < 1e-5
+    overall = default.routing_stats()["overall"]
+    assert overall["steps"] == 7 * len(default.layers) and overall["sparse_steps"] == 0
+    assert overall["fraction_tokens_attended"] == 1.0
+    from_46 = pikv(model, "key_cluster", attention=attention, n_sink=1, window=2, sparse_from=46, **sparse)
+    generate(model, ids, from_46)
+    overall = from_46.routing_stats()["overall"]
+    assert overall["sparse_steps"] == 3 * len(from_46.layers)  # the steps that see 46, 47, 48 positions
+    assert overall["fraction_tokens_attended"] < 1.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
+        (dict(top_k_shards=2, sparse_from=-1), "sparse_from must be an integer >= 0"),
         (dict(top_k_shards=2, dense_layers=4), "dense_layers must be an integer in \\[0, 3\\], got 4"),
         (dict(top_k_shards=2, mass_target=0.0), "mass_target must be None or a number in \\(0, 1\\], got 0.0"),
         (dict(top_k_shards=2, mass_target=1.5), "mass_target must be None or a number in \\(0, 1\\], got 1.5"),

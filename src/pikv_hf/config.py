@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from pikv_hf.checks import check_int_at_least
 
 ATTENTION_MODES = ("exact", "routed", "quest")
+# Context (positions seen per row) from which a decode step reads sparsely when ``sparse_from`` is not given: where
+# the sparse read stopped costing more than PiKV's exact read on SmolLM2-135M (fp32, one CPU thread, batch 1 and 4;
+# benchmarks/results/e2e_always_sparse_cpu.json). Below it, planning a sparse read costs more than it saves.
+SPARSE_FROM = {"routed": 8192, "quest": 4096}
 
 
 def _is_number(value: object) -> bool:
@@ -51,9 +55,10 @@ class ReadConfig:
     mass_target : float or None
         Routed: read only the shortest prefix of the ranked shards whose estimated share of the attention mass
         (``pikv_hf.routing.scores.estimated_mass``) reaches this value, in ``(0, 1]``; ``top_k_shards`` is a cap.
-    sparse_from : int
-        Routed / Quest: decode steps read every page until the layer has seen this many positions (below it a dense
-        read costs less than planning a sparse one; ``routing_stats`` counts ``sparse_steps``). 0: always sparse.
+    sparse_from : int or None
+        Routed / Quest: decode steps read every page until the layer has seen this many positions per row (below it
+        a dense read costs less than planning a sparse one; ``routing_stats`` counts ``sparse_steps``). None: the
+        measured default of the mode (:data:`SPARSE_FROM`: 8192 routed, 4096 Quest); 0: always sparse.
     measure_recall : bool
         Also run exact attention on every routed step and record the fraction of its mass the read tokens hold.
     reward_every : int
@@ -71,13 +76,22 @@ class ReadConfig:
     mass_target: float | None = field(
         default=None, metadata={"help": "routed: read ranked shards until this estimated attention mass"}
     )
-    sparse_from: int = field(default=0, metadata={"help": "routed / quest: dense decode reads below this context"})
+    sparse_from: int | None = field(
+        default=None, metadata={"help": "routed / quest: dense decode reads below this context (default: measured)"}
+    )
     measure_recall: bool = False
     reward_every: int = 16
 
     @property
     def sparse(self) -> bool:
         return self.attention != "exact"
+
+    @property
+    def sparse_threshold(self) -> int:
+        """``sparse_from``, or the mode's measured default (:data:`SPARSE_FROM`) when it is None."""
+        if self.sparse_from is not None:
+            return self.sparse_from
+        return SPARSE_FROM.get(self.attention, 0)
 
     @classmethod
     def build(
@@ -108,7 +122,8 @@ class ReadConfig:
         check_int_at_least("n_sink", self.n_sink, 0)
         check_int_at_least("window", self.window, 1)
         check_int_at_least("reward_every", self.reward_every, 1)
-        check_int_at_least("sparse_from", self.sparse_from, 0)
+        if self.sparse_from is not None:
+            check_int_at_least("sparse_from", self.sparse_from, 0)
         most = num_layers if num_layers is not None else "the number of layers"
         if not isinstance(self.dense_layers, int) or not 0 <= self.dense_layers <= (num_layers or self.dense_layers):
             raise ValueError(f"dense_layers must be an integer in [0, {most}], got {self.dense_layers!r}")

@@ -306,7 +306,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
     def _sparse_due(self) -> bool:
         """Whether a decode step reads under the sparse policy: once the layer has seen ``read.sparse_from``
         positions (below that a dense read costs less than planning a sparse one)."""
-        return self.policy.sparse and self._seen >= self.read.sparse_from
+        return self.policy.sparse and self._seen >= self.read.sparse_threshold
 
     # ------------------------------------------------------------------ length, crop, batch operations
     def min_evicted(self) -> int:

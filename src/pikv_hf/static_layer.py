@@ -61,7 +61,7 @@ class StaticPiKVLayer(PiKVLayer):
 
     def _sparse_due(self) -> bool:
         # the count of tokens seen is a tensor here: the reservation decides, so a compiled step has one branch
-        return self.policy.sparse and self.max_cache_len >= self.read.sparse_from
+        return self.policy.sparse and self.max_cache_len >= self.read.sparse_threshold
 
     def kv_length(self) -> int:
         """The reserved frame (as ``StaticCache`` reports its maximum length)."""

@@ -100,7 +100,7 @@ class DecodeStep:
             self._record_mass(mass_of, x, out)
         if record:
             self._record(group, plans, out, sparse)
-            self._learn(group, x, plans[0])
+            self._learn(group, x, plans[0], sparse)
         return out
 
     @staticmethod
@@ -127,12 +127,12 @@ class DecodeStep:
         attended = out.attended.sum().view(1).to(d)
         self.stats.add_step(torch.cat([attended, per_store.to(d)]), sparse, group.heads * group.batch)
 
-    def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan) -> None:
+    def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan, sparse: bool) -> None:
         """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning
-        selector's reward): the only part of a step that reads back to the host."""
+        selector's reward, given for sparse reads only): the only part of a step that reads back to the host."""
         self._steps += 1
         cfg = self.policy.config
-        learn = self.policy.learns() and self._steps % cfg.reward_every == 0
+        learn = sparse and self.policy.learns() and self._steps % cfg.reward_every == 0
         if not (cfg.measure_recall or learn):
             return
         recall = self.recall(group, x, plan)

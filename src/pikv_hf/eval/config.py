@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
-from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX
+from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX, sparse_read
 from pikv_hf.models.named import MODEL_NAMES
 
 CACHES = ("dynamic", "pikv")
@@ -17,6 +17,7 @@ ROUTERS = ("round_robin", "expert", "key_cluster")
 SUITES = ("ruler", "longbench")
 ABSTRACT_PRESSES = ("ScorerPress",)  # base classes without a scoring rule
 PIKV_MODES = {"pikv_routed": "routed", "pikv_quest": "quest"}  # decode attention modes of PiKVCache (--cache pikv)
+
 
 
 @dataclass
@@ -158,18 +159,19 @@ class EvalConfig:
     def point_read(self, press: str, ratio: float, shards: int | None) -> ReadConfig:
         """The ``ReadConfig`` of a ``--cache pikv`` point: ``none`` exact, ``pikv_routed``
         ``top_k_shards = (1 - ratio) * shards`` (a whole number in ``[1, shards]``), ``pikv_quest``
-        ``read_fraction = 1 - ratio``."""
+        ``read_fraction = 1 - ratio``; sparse points read sparsely from the first decode step unless
+        ``--sparse-from`` is given (:func:`sparse_read`)."""
         if press == "none":
             return dataclasses.replace(self.read, attention="exact")
         if press == "pikv_quest":
-            return dataclasses.replace(self.read, attention="quest", read_fraction=1.0 - ratio, mass_target=None)
+            return sparse_read(self.read, attention="quest", read_fraction=1.0 - ratio, mass_target=None)
         k = round((1.0 - ratio) * shards)
         if k < 1 or abs((1.0 - ratio) * shards - k) > 1e-6:
             raise ValueError(
                 f"ratio {ratio} with pikv_routed must skip a whole number of the {shards} shards and keep at least "
                 f"one, i.e. ratio in {{j / {shards} : j = 0 .. {shards - 1}}}"
             )
-        return dataclasses.replace(self.read, attention="routed", top_k_shards=k)
+        return sparse_read(self.read, attention="routed", top_k_shards=k)
 
     def points(self) -> list[tuple[str, float]]:
         """(press, ratio) pairs to run: ``none`` and compression specs once at ratio 0, every other press at every

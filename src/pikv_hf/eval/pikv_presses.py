@@ -68,4 +68,12 @@ def build_pikv_press(name: str, ratio: float, heads: str | None = None):
 def routed_read(read: ReadConfig, num_shards: int) -> ReadConfig:
     """The routed read of an ``*_offload_routed`` point: the run's read options, ``top_k_shards`` a quarter of the
     shards (a cap when a mass target is set)."""
-    return dataclasses.replace(read, attention="routed", top_k_shards=max(1, num_shards // 4))
+    return sparse_read(read, attention="routed", top_k_shards=max(1, num_shards // 4))
+
+
+def sparse_read(read: ReadConfig, **fields) -> ReadConfig:
+    """``read`` with ``fields`` replaced, reading sparsely from the first decode step when ``sparse_from`` was not
+    set: an evaluation measures what a sparse read keeps, at any context length (a cache's default,
+    ``pikv_hf.config.SPARSE_FROM``, reads densely where that is faster)."""
+    sparse_from = 0 if read.sparse_from is None else read.sparse_from
+    return dataclasses.replace(read, sparse_from=sparse_from, **fields)
