@@ -26,6 +26,7 @@ import contextlib
 import json
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -300,6 +301,9 @@ def main() -> None:
 
     result = json.loads(args.out.read_text()) if args.out.is_file() else {"benchmark": "e2e", "points": []}
     done = {point_key(p) for p in result["points"]}
+    command = " ".join(["python benchmarks/bench_e2e.py", *sys.argv[1:]])
+    if command not in result.setdefault("commands", []):
+        result["commands"].append(command)
     for model_name in args.models:
         model, tokenizer, info = load_named_model(model_name)
         for threads in args.threads:

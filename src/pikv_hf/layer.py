@@ -148,8 +148,13 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.read = read
         self.policy = make_policy(read, self.layer_idx)
         self.step = DecodeStep(self.policy, self.backend, self.shard_groups)
-        if self.policy.reads_summaries and self.stores is not None:
+        if self._summaries_up_front() and self.stores is not None:
             self.stores.keep_summaries()
+
+    def _summaries_up_front(self) -> bool:
+        """Whether the stores keep shard summaries from the start. A routed read computes them from the pages at its
+        first sparse step (dense steps below ``sparse_from`` then pay nothing for them); a compiled step cannot."""
+        return self.policy.reads_summaries and self.is_compileable
 
     @property
     def read_stats(self):
@@ -184,7 +189,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store = self._new_store(key_states, value_states)
         self.stores = LayerStores(self.store)
-        if self.policy.reads_summaries:
+        if self._summaries_up_front():
             self.stores.keep_summaries()
         b, h = key_states.shape[:2]
         self.evicted = torch.zeros(b, h, dtype=torch.int64, device=key_states.device)

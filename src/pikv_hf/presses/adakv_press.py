@@ -62,8 +62,10 @@ class AdaKVPress(PiKVPress, kvpress.AdaKVPress):
         super().__post_init__()
         check_offload(self.offload)
 
-    def stats_needed(self) -> tuple[str, ...]:
-        return self.press.stats_needed() if isinstance(self.press, PiKVPress) else ()
+    @property
+    def decode_stats(self) -> tuple[str, ...]:
+        """The base press's: AdaKV under a decoding budget ranks tokens as its base press does."""
+        return getattr(self.press, "decode_stats", ())
 
     def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
         layer = prefill_layer(module, kwargs, self.compression_ratio)

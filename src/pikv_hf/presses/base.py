@@ -177,9 +177,10 @@ class PiKVPress:
     """Mixin placed first among a press's bases: the hook that branches on the cache (module docstring).
 
     Subclasses define :meth:`press_layer` (what the press does to a PiKVCache layer), may refuse a cache they cannot
-    act on in :meth:`check_cache` and, when they rank decoding tokens from the cache's per-slot statistics, name
-    them in :attr:`decode_stats`. Both take effect before a layer's attention (a pre-hook), so a refusal comes before
-    anything is stored and the statistics count the prefill's queries too."""
+    act on in :meth:`check_cache` and, when they can rank decoding tokens from the cache's per-slot statistics, name
+    them in :attr:`decode_stats` (turned on by a wrapper that decodes under a budget, :meth:`stats_needed`). Both
+    take effect before a layer's attention (a pre-hook), so a refusal comes before anything is stored and the
+    statistics count the prefill's queries too."""
 
     replays_prefill = True  # the PiKV branch reads only the hook's arguments: a recorded prefill can be replayed
     decode_stats: tuple[str, ...] = ()
@@ -195,8 +196,10 @@ class PiKVPress:
         raise NotImplementedError
 
     def stats_needed(self) -> tuple[str, ...]:
-        """The per-slot statistics this press reads while decoding."""
-        return self.decode_stats
+        """The per-slot statistics the cache must keep while this press is on: none for a prefill press, which
+        computes its statistics from the queries (:class:`DecodingBudgetPress` asks for its base's
+        :attr:`decode_stats`). Kept statistics take every attention off the fast path (per-slot mass)."""
+        return ()
 
     def check_cache(self) -> None:
         """Raise if this press cannot act on a PiKVCache (called before a layer's attention)."""

@@ -56,7 +56,7 @@ class DecodingBudgetPress(PiKVPress, DecodingPress):
             )
 
     def stats_needed(self) -> tuple[str, ...]:
-        return self.base_press.stats_needed() if isinstance(self.base_press, PiKVPress) else ()
+        return getattr(self.base_press, "decode_stats", ())
 
     def check_cache(self) -> None:
         """On a PiKVCache the base press ranks decoding tokens from the cache's statistics: refuse one that cannot,

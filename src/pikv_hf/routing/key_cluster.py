@@ -53,12 +53,14 @@ class KeyClusterPlacement(Placement):
 
     @staticmethod
     def _nearest(keys: torch.Tensor, centroids: torch.Tensor, ready: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
-        """``[B, H, q]`` nearest initialised centroid (``ready``: ``[B, 1, 1, S]``) of every key, ``chunk`` keys at a
-        time (bounds the ``[B, H, q, S]`` distance matrix of a long prefill)."""
+        """``[B, H, q]`` nearest initialised centroid (``ready``: ``[B, 1, 1, S]``) of every key in squared L2
+        distance, as the largest ``k . c - |c|^2 / 2`` (one matmul, no square root), ``chunk`` keys at a time (bounds
+        the ``[B, H, q, S]`` score matrix of a long prefill)."""
+        half_norm = (centroids.square().sum(-1) / 2).unsqueeze(2).masked_fill(~ready, float("inf"))  # [B, H, 1, S]
         parts = []
         for i in range(0, keys.shape[2], chunk):
-            dist = torch.cdist(keys[:, :, i : i + chunk], centroids)
-            parts.append(dist.masked_fill(~ready, float("inf")).argmin(-1))
+            score = torch.matmul(keys[:, :, i : i + chunk], centroids.transpose(-1, -2)).sub_(half_norm)
+            parts.append(score.argmax(-1))
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     def _init_state(self, b: int, h: int, d: int, device: torch.device) -> None:
