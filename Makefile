@@ -31,9 +31,10 @@ lint: $(STAMP)
 results: $(STAMP)
 	$(PY) benchmarks/results_page.py
 
-# Every notebook headless on the real models (make test runs them in quick mode)
+# Every notebook headless on the real models, outputs and plots written back into the committed notebooks
+# (make test runs them in quick mode, in memory)
 notebooks: $(STAMP)
-	cd notebooks && PIKV_NOTEBOOKS=full MPLBACKEND=Agg $(abspath $(VENV))/bin/jupyter-execute --timeout=1800 \
+	cd notebooks && PIKV_NOTEBOOKS=full $(abspath $(VENV))/bin/jupyter-execute --inplace --timeout=3600 \
 		01_quickstart.ipynb 02_routing.ipynb 03_compression_tradeoffs.ipynb 04_kvpress_pipeline.ipynb
 
 # Benchmarks (not tests): write JSON under benchmarks/results/

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from results_sections import compression, decode, memory, routing, scheduling
+from results_sections import compression, decode, e2e, memory, routing, scheduling
 from results_sections.framework import PAGE, Figure, Recorder, Section, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +31,7 @@ README = "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 SECTIONS = [
+    Section("End-to-end decode on the real model", (e2e.E2E,), e2e.e2e),
     Section("Exact cache vs DynamicCache", (decode.CACHE_EXACT,), decode.cache_exact),
     Section("Decode speed", decode.DECODE_SPEED, decode.decode_speed),
     Section("Decode regression", decode.DECODE_REGRESSION, decode.decode_regression),
@@ -39,6 +40,7 @@ SECTIONS = [
     Section("kvpress presses on RULER needles", (scheduling.RULER_TABLE,), scheduling.ruler_baseline),
     Section("Scheduling quality", (scheduling.SCHEDULING_QUALITY_GLOB,), scheduling.scheduling_quality),
     Section("KV bytes inside kvpress", (scheduling.KVPRESS_BYTES,), scheduling.kvpress_bytes),
+    Section("kvpress's own test suite", (scheduling.KVPRESS_SUITE,), scheduling.kvpress_suite),
     Section("Scheduling press bytes", (scheduling.SCHEDULING_BYTES,), scheduling.scheduling_bytes),
     Section("Compression memory", (compression.COMPRESSION_MEMORY,), compression.compression_memory),
     Section("Compression decode speed", (compression.COMPRESSION_SPEED,), compression.compression_speed),
@@ -51,8 +53,9 @@ SECTIONS = [
 ]
 
 HEADLINE = [
+    e2e.headline_e2e,
+    e2e.headline_routing_gain,
     decode.headline_exact,
-    decode.headline_decode,
     routing.headline_quality,
     scheduling.headline_scheduling,
     scheduling.headline_kvpress,

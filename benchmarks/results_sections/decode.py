@@ -283,19 +283,3 @@ def headline_exact(rec: Recorder) -> tuple[str, str, str] | None:
         f"{rec.fig('r3', at(p, r + 'kv_bytes_ratio_pikv_over_dynamic'))}x DynamicCache's",
         "Exact cache vs DynamicCache",
     )
-
-
-def headline_decode(rec: Recorder) -> tuple[str, str, str] | None:
-    """Routed decode at the largest context (pages of 16)."""
-    p = DECODE_SPEED[0]
-    if not rec.exists(p):
-        return None
-    i = largest_context(rec, p)
-    r = f"results.{i}."
-    return (
-        f"Routed decode vs Dynamic+SDPA, {rec.load(p)['results'][i]['context']} tokens",
-        f"attention {rec.fig('x', at(p, r + 'ratios.attn_dynamic_over_routed'))}, decode step "
-        f"{rec.fig('x', at(p, r + 'ratios.step_dynamic_over_routed'))} faster, reading "
-        f"{rec.fig('r3', at(p, r + 'routed.routing.kv_read_vs_dense'))} of the KV",
-        "Decode speed",
-    )

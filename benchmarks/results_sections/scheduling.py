@@ -15,6 +15,7 @@ from .framework import (
     agg,
     at,
     machine_text,
+    makefile_command,
     out_dir,
     row,
     table,
@@ -159,6 +160,47 @@ def kvpress_bytes(rec: Recorder) -> Body:
         reads=NA_READS,
         budget=c["budget_note"],
         text=table(header, rows) + "\n\n" + note,
+    )
+
+
+# ----------------------------------------------------------------------------------------- kvpress's own tests
+
+KVPRESS_SUITE = f"{BENCH}/kvpress_suite_cpu.json"
+SUITE_CAUSES = {
+    "answer_trimmed_by_position": "the pipeline's trim crops positions on a PiKVCache: after a decode-time press no "
+    "answer token is left where a DynamicCache slice keeps some (intended)",
+    "seq_length_counts_positions": "`get_seq_length` counts positions seen, not tokens held, so asserted compressed "
+    "lengths differ (intended)",
+    "headwise_mask_coordinates:DMSPress": "DMS-masked tokens are evicted, so the ratio the test measures over the "
+    "layer's keys is taken on a view already shorter (intended)",
+    "batch_changed:KVComposePress": "structured KVCompose writes one row back for a batch of two: a PiKVCache raises "
+    "a ValueError (a DynamicCache loses row 1 silently)",
+}
+
+
+def kvpress_suite(rec: Recorder) -> Body:
+    """kvpress's own test suite on DynamicCache and with a PiKVCache substituted: counts and differences by cause."""
+    p = KVPRESS_SUITE
+    d = rec.load(p)
+    outcomes = ("passed", "failed", "error", "skipped")
+    rows = [[cache, *(rec.fig("int", at(p, f"counts.{cache}.{o}")) for o in outcomes)] for cache in ("dynamic", "pikv")]
+    causes = [
+        [cause, rec.fig("int", at(p, f"regressions_by_cause.{cause}")), SUITE_CAUSES.get(cause, "**unexplained**")]
+        for cause in d["regressions_by_cause"]
+    ]
+    total = rec.fig("int", at(p, "pass_on_dynamic_not_on_pikv"))
+    return Body(
+        measured=(
+            f"{d['what']}: kvpress {d['kvpress']}, pikv_hf at `{d['pikv_hf']['commit'][:7]}`; tests that pass "
+            "on DynamicCache and not on PiKVCache, by cause (`benchmarks/kvpress_suite.py` `CAUSES`)"
+        ),
+        commands=[makefile_command(rec, p)],
+        machine=d["machine"],
+        reads=NA_READS,
+        budget="each test's own",
+        text=table(["cache", *outcomes], rows)
+        + f"\n\n{total} tests pass on DynamicCache and not on PiKVCache:\n\n"
+        + table(["cause", "tests", "why"], causes),
     )
 
 

@@ -15,8 +15,9 @@ from pikv_hf.export import register as _register_export  # noqa: E402
 
 _register_export()
 from pikv_hf.config import ReadConfig  # noqa: E402
+from pikv_hf.forward import PagedKV  # noqa: E402
 from pikv_hf.hf import attach  # noqa: E402
-from pikv_hf.layer import PagedKV, PiKVLayer  # noqa: E402
+from pikv_hf.layer import PiKVLayer  # noqa: E402
 
 __all__ = ["PagedKV", "PiKVCache", "PiKVLayer", "ReadConfig", "attach"]
 __version__ = "0.1.0"

@@ -26,8 +26,9 @@ from pikv_hf.checks import check_int_at_least, check_tensor
 from pikv_hf.config import ReadConfig
 from pikv_hf.distributed import ShardPlan, bind
 from pikv_hf.distributed.layer import PartitionedLayer
+from pikv_hf.forward import ForwardState, PagedKV
 from pikv_hf.hf import ForwardAwareCache, attach, detach
-from pikv_hf.layer import ForwardState, PagedKV, PiKVLayer
+from pikv_hf.layer import PiKVLayer
 from pikv_hf.read import ReadStats
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
 from pikv_hf.routing.expert import decoder_layers, num_experts_of

@@ -24,7 +24,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pikv_hf.constants import ATTN_IMPLEMENTATION
-from pikv_hf.layer import PagedKV
+from pikv_hf.forward import PagedKV
 
 PREVIOUS_ATTR = "_pikv_previous_attn_implementation"
 HOOKS_ATTR = "_pikv_forward_hooks"

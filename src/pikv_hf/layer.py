@@ -11,7 +11,6 @@ ranks).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,50 +22,13 @@ from pikv_hf.checks import check_kv_update
 from pikv_hf.config import ReadConfig
 from pikv_hf.constants import ATTN_IMPLEMENTATION
 from pikv_hf.edits import LayerEdits
+from pikv_hf.forward import ForwardState, PagedKV
 from pikv_hf.read import make_policy
 from pikv_hf.routing import Placement, PlacementContext
 from pikv_hf.step import DecodeStep, Query
 from pikv_hf.store import PagedStore
-from pikv_hf.store.tiers import LayerStores
+from pikv_hf.store.tiers import OFFLOAD, LayerStores
 from pikv_hf.view import LayerViews
-
-
-@dataclass
-class ForwardState:
-    """What a cache learns from the model's forward before its layers run (``pikv_hf.hf``'s hooks set it): that a
-    forward is running (``active``), whether it runs the ``"pikv"`` attention, and ``present`` (``[B, q]`` bool, False
-    for left padding among the new tokens; None when there is none). Outside a forward (direct ``update`` calls)
-    all are off."""
-
-    active: bool = False
-    pikv: bool = False
-    present: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class PagedKV:
-    """What ``PiKVLayer.update`` returns in place of key/value tensors inside a forward that runs the ``"pikv"``
-    attention; only that attention reads it. ``shape`` is ``[B, H_kv, T, D]`` with ``T`` the ``kv_length`` of
-    ``get_mask_sizes``, so code that wraps attention functions and inspects sizes (kvpress's patch) keeps working."""
-
-    layer: PiKVLayer
-    kind: str  # "keys" or "values"
-
-    @property
-    def shape(self) -> torch.Size:
-        st = self.layer.store
-        dim = st.k_dim if self.kind == "keys" else st.v_dim
-        return torch.Size((st.batch, st.heads, self.layer.kv_length(), dim))
-
-    def __setitem__(self, index, value) -> None:
-        """kvpress's attention patch writes fake keys at ``(batch, head, seq)`` indices of the view a head-wise press
-        scored (AdaKV, DuoAttention, ...) so that those tokens get no attention; here they are evicted instead."""
-        if self.kind != "keys" or not (isinstance(index, tuple) and len(index) == 3):
-            raise TypeError(
-                "PiKVCache keeps K/V in pages: only kvpress's (batch, head, seq) key masking can be written to its "
-                f"attention inputs, got an assignment to {self.kind}[{index!r}]"
-            )
-        self.layer.apply_head_masks(index)
 
 
 class PiKVLayer(LayerEdits, CacheLayerMixin):
@@ -309,9 +271,12 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         return self.stores.group()
 
     def _sparse_due(self) -> bool:
-        """Whether a decode step reads under the sparse policy: once the layer has seen ``read.sparse_from``
-        positions (below that a dense read costs less than planning a sparse one)."""
-        return self.policy.sparse and self._seen >= self.read.sparse_threshold
+        """Whether a decode step reads under the sparse policy: once the layer has seen ``read.sparse_threshold``
+        positions per row (below that a dense read costs less than planning a sparse one), and at any length while it
+        holds tokens in the offload tier (a dense read would fetch the whole tier every step)."""
+        if not self.policy.sparse:
+            return False
+        return self._seen >= self.read.sparse_threshold or OFFLOAD in self.stores.tiers
 
     # ------------------------------------------------------------------ length, crop, batch operations
     def min_evicted(self) -> int:

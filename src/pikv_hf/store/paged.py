@@ -27,6 +27,8 @@ from pikv_hf.codecs import Codec, IdentityCodec
 from pikv_hf.codecs.base import PageBatch
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.store.pool import FieldSpec, PagePool
+from pikv_hf.store.repack import repack
+from pikv_hf.store.special import SpecialSlots
 from pikv_hf.store.summary import ShardStats
 from pikv_hf.store.table import PageTable
 
@@ -41,7 +43,6 @@ _STAT_SPECS = {
     "hits": FieldSpec((), torch.int32),
 }
 STAT_FIELDS = tuple(_STAT_SPECS)
-_POS_BITS = 32  # repack sorts by shard * 2**32 + position
 
 
 class PagedStore:
@@ -92,7 +93,7 @@ class PagedStore:
         self._summarised = False  # key statistics kept at all (from the first summary() on; counts always)
         self._room = 0  # pages every run can still take without a relayout (a lower bound, kept on the host)
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
-        self._marks: dict | None = None  # slots of the sink and recent-window tokens (special_slots), kept on appends
+        self._marks: SpecialSlots | None = None  # the sink and recent-window slots (special_slots), kept on appends
 
     @property
     def batch(self) -> int:
@@ -232,36 +233,18 @@ class PagedStore:
             self.stats.count.scatter_add_(2, shard, torch.ones_like(shard))
         if self.page_bounds_kept:
             self._fold_page_bounds(page, k)
-        if self._marks is not None:  # the newest tokens enter the recent window (absent ones as -1)
-            window = self._marks["recent"].shape[-1]
-            self._marks["recent"] = torch.cat([self._marks["recent"], slot], -1)[..., -window:]
+        if self._marks is not None:
+            self._marks.push(slot)
         return slot
 
     def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> torch.Tensor:
         """``[B, H, n_sink + window]`` flat slots (``-1``: none) of each (row, head)'s first ``n_sink`` real tokens
         (positions counted from ``row_start``) and of its ``window`` most recently stored ones: what sparse reads
-        always read. Found in the frame once, then kept as tokens arrive (until pages move); a caller restricts the
-        recent ones to its window's positions."""
-        m = self._marks
-        if m is None or m["key"] != (n_sink, window) or m["short"]:
-            m = self._marks = self._scan_special(n_sink, window, row_start)
-        return torch.cat([m["sinks"], m["recent"]], -1)
-
-    def _scan_special(self, n_sink: int, window: int, row_start: torch.Tensor) -> dict:
-        pos, valid, slots = self.frame("pos").to(torch.int64), self.frame("valid"), self.frame_slots()
-        none = torch.iinfo(torch.int64).max
-
-        def ranked(key: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
-            k_in = min(k, key.shape[-1])
-            at = key.topk(k_in, dim=-1, largest=largest).indices
-            found = torch.where(key.gather(2, at).abs() != none, slots.gather(2, at), -1)
-            return torch.nn.functional.pad(found, (0, k - k_in), value=-1)
-
-        rel = pos - row_start.view(-1, 1, 1)
-        sinks = ranked(torch.where(valid & (rel < n_sink), rel, none), n_sink, largest=False)
-        recent = ranked(torch.where(valid, pos, -none), window, largest=True).flip(-1)  # oldest first, as appended
-        short = bool((sinks < 0).any()) if n_sink else False  # a row with fewer sinks yet: scan again next time
-        return {"key": (n_sink, window), "sinks": sinks, "recent": recent, "short": short}
+        always read (:class:`SpecialSlots`); a caller restricts the recent ones to its window's positions."""
+        if self._marks is None or not self._marks.fits(n_sink, window):
+            pos, valid = self.frame("pos").to(torch.int64), self.frame("valid")
+            self._marks = SpecialSlots.scan(pos, valid, self.frame_slots(), n_sink, window, row_start)
+        return self._marks.all()
 
     def _append_pages(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Page-level codecs: re-encode every page that tokens ``keys`` / ``values`` (``[M, D]``, at flat slots
@@ -319,30 +302,15 @@ class PagedStore:
         kept = keep & valid
         removed = valid & ~kept
         shard = self.frame("shard").long().clamp(min=0).repeat_interleave(p, dim=-1)
-        pos = self.frame("pos").to(torch.int64)
-        order = torch.where(kept, (shard << _POS_BITS) + pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
-        m = kept.sum(-1)
-        length = int(m.max()) if m.numel() else 0
-        order = order[..., :length]
-        ok = torch.arange(length, device=self.device) < m.unsqueeze(-1)
-        src = slots.gather(2, order)[ok]
-        sh = shard.gather(2, order).masked_fill(~ok, 0)
-        count = torch.zeros(self.batch, self.heads, s, dtype=torch.int64, device=self.device)
-        count.scatter_add_(2, sh, ok.long())
-        npg = count.add(p - 1).div(p, rounding_mode="floor")
-        page_base = npg.cumsum(-1) - npg
-        rank = torch.arange(length, device=self.device) - (count.cumsum(-1) - count).gather(2, sh)
-        local = page_base.gather(2, sh) + rank.div(p, rounding_mode="floor")
-
+        r = repack(kept, slots, shard, self.frame("pos"), p, s)
         t = self.table
-        n_pages = npg.sum(-1)
+        n_pages = r.n_pages.sum(-1)
         total = t.set_caps(n_pages.clamp(min=self._reserved))
-        page = (t.start.unsqueeze(-1) + local)[ok]
-        dst = page * p + (rank % p)[ok]
+        page = (t.start.unsqueeze(-1) + r.local)[r.ok]
         shard_of_page = torch.full((total,), -1, dtype=torch.int32, device=self.device)
-        shard_of_page.index_copy_(0, page, sh[ok].to(torch.int32))
+        shard_of_page.index_copy_(0, page, r.shard[r.ok].to(torch.int32))
         src_of_slot = torch.full((total * p,), -1, dtype=torch.int64, device=self.device)
-        src_of_slot[dst] = src
+        src_of_slot[page * p + (r.rank % p)[r.ok]] = r.src
         bounds = self.page_bounds_kept
         if self.codec.page_level:  # decoded before the slots move: their pages' fields are rebuilt below
             dec_k, dec_v = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
@@ -354,10 +322,11 @@ class PagedStore:
             values = dec_v.reshape(-1, self.v_dim)[take].view(total, p, self.v_dim)
             every = torch.arange(total, device=self.device)
             self._encode_pages(every, keys, values, torch.zeros_like(self.pool["valid"]), dict(self.pool.fields))
+        used = r.count > 0
         t.n_pages = n_pages
-        t.open_page = torch.where(count > 0, page_base + npg - 1, -1)
-        t.open_fill = torch.where(count > 0, count - (npg - 1) * p, p)
-        self.stats.count = count
+        t.open_page = torch.where(used, r.page_base + r.n_pages - 1, -1)
+        t.open_fill = torch.where(used, r.count - (r.n_pages - 1) * p, p)
+        self.stats.count = r.count
         self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
         self._room = int((t.cap - n_pages).min()) if n_pages.numel() else 0
         if bounds:

@@ -1,0 +1,243 @@
+"""End-to-end decode on the real model (``benchmarks/bench_e2e.py``): every way of keeping the KV against
+DynamicCache in one run, the goals of the end-to-end speed issue, where a routed step's time goes, and the
+measurements behind the default ``sparse_from`` thresholds (with the README headline rows)."""
+
+from __future__ import annotations
+
+from .framework import BENCH, Body, Recorder, at, machine_text, table, verdict
+
+E2E = f"{BENCH}/e2e_cpu.json"
+ALWAYS_SPARSE = f"{BENCH}/e2e_always_sparse_cpu.json"
+MODE_TEXT = {
+    "dynamic": "DynamicCache (model's SDPA)",
+    "exact": "PiKVCache exact",
+    "routed": "routed, README setting (cap 1/4)",
+    "routed_1_8": "routed, cap 1/8",
+    "quest_1_8": "Quest 1/8 (pages of 16)",
+    "quant4": "QuantPress 4-bit",
+    "quest_quant4": "Quest 1/8 + 4-bit",
+    "h2o_offload_routed": "H2O 0.5 + offload + routed",
+    "routed_p4": "routed, pages of 4 (cap 1/4)",
+    "routed_p4_316": "routed, pages of 4 (cap 3/16)",
+}
+# (model, batch, context, mode, field, bound): the goals of the end-to-end issue, ratios to DynamicCache, 1 thread
+GOALS = [
+    ("smollm2", 1, 2048, "exact", "ms_ratio", 1.05),
+    ("smollm2", 1, 2048, "routed", "ms_ratio", 1.05),
+    ("smollm2", 1, 2048, "quant4", "ms_ratio", 1.10),
+    ("smollm2", 1, 8192, "routed", "ms_ratio", 0.80),
+    ("smollm2", 1, 8192, "quest_1_8", "ms_ratio", 0.75),
+    ("smollm2", 1, 8192, "quant4", "ms_ratio", 1.00),
+    ("smollm2", 1, 8192, "quest_quant4", "ms_ratio", 0.70),
+    ("smollm2", 4, 8192, "routed", "ms_ratio", 0.50),
+]
+PREFILL_BOUND = 1.10
+
+
+def point_index(rec: Recorder, path: str, model: str, threads: int, batch: int, context: int) -> int | None:
+    """Index of the point in ``path``'s ``points`` list, None when it was not measured."""
+    for i, p in enumerate(rec.load(path)["points"]):
+        if (p["model"], p["threads"], p["batch"], p["context"]) == (model, threads, batch, context):
+            return i
+    return None
+
+
+def series(rec: Recorder, path: str) -> list[tuple[str, int, int]]:
+    """(model, threads, batch) of the points in ``path``, in the order they were measured."""
+    out: list[tuple[str, int, int]] = []
+    for p in rec.load(path)["points"]:
+        key = (p["model"], p["threads"], p["batch"])
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def series_table(rec: Recorder, path: str, model: str, threads: int, batch: int) -> str:
+    """Rows: ways; columns: ms/token (ratio to DynamicCache) per context, then prefill ratio, KV and read at the
+    longest context."""
+    points = [(i, p) for i, p in enumerate(rec.load(path)["points"]) if (p["model"], p["threads"], p["batch"]) ==
+              (model, threads, batch)]  # fmt: skip
+    points.sort(key=lambda ip: ip[1]["context"])
+    last_i, last = points[-1]
+    modes = [m for m in MODE_TEXT if m in last["results"]]
+    header = ["way", *(f"{p['context']}: ms/token (x Dynamic)" for _, p in points)]
+    header += [f"{last['context']}: prefill x Dynamic", "KV MiB", "read", "sparse steps"]
+    rows = []
+    for mode in modes:
+        cells = [MODE_TEXT[mode]]
+        for i, _ in points:
+            r = f"points.{i}.results.{mode}."
+            cells.append(f"{rec.fig('ms', at(path, r + 'ms_per_token'))} ({rec.fig('r2', at(path, r + 'ms_ratio'))})")
+        r = f"points.{last_i}.results.{mode}."
+        offloaded = last["results"][mode]["offloaded_bytes"]
+        kv = rec.fig("mib", at(path, r + "kv_bytes"))
+        if offloaded:
+            kv += f" (+{rec.fig('mib', at(path, r + 'offloaded_bytes'))} offloaded)"
+        steps = last["results"][mode]["decode_steps"]
+        sparse = f"{rec.fig('int', at(path, r + 'sparse_steps'))} / {steps}" if steps else "-"
+        read = rec.fig("r3", at(path, r + "read_fraction"))
+        cells += [rec.fig("r2", at(path, r + "prefill_ratio")), kv, read, sparse]
+        rows.append(cells)
+    return f"{model}, {threads} thread(s), batch {batch}:\n\n{table(header, rows)}"
+
+
+def goal_rows(rec: Recorder, path: str) -> list[list[str]]:
+    """The issue's goals with the measured ratio and a verdict (points not measured are listed as such)."""
+    rows = []
+    for model, batch, context, mode, field, bound in GOALS:
+        name = f"{MODE_TEXT[mode]}, {context} tokens, batch {batch}: ms/token <= {bound:.2f}x Dynamic"
+        i = point_index(rec, path, model, 1, batch, context)
+        if i is None:
+            rows.append([name, "not measured", "-"])
+            continue
+        src = at(path, f"points.{i}.results.{mode}.{field}")
+        rows.append([name, rec.fig("r2", src), verdict(rec.value(src) <= bound)])
+    i = point_index(rec, path, "smollm2", 1, 1, 8192)
+    if i is not None:
+        modes = list(rec.load(path)["points"][i]["results"])
+        worst = max(modes, key=lambda m: rec.load(path)["points"][i]["results"][m]["prefill_ratio"])
+        src = at(path, f"points.{i}.results.{worst}.prefill_ratio")
+        rows.append(
+            [
+                f"prefill of every way, 8192 tokens, batch 1: <= {PREFILL_BOUND:.2f}x Dynamic "
+                f"(worst: {MODE_TEXT[worst]})",
+                rec.fig("r2", src),
+                verdict(rec.value(src) <= PREFILL_BOUND),
+            ]
+        )
+    return rows
+
+
+def equal_read_rows(rec: Recorder, path: str) -> list[list[str]]:
+    """Routed cap 1/8 against Quest 1/8 at 8192 tokens: fraction read and ms/token, batch 1 and 4."""
+    rows = []
+    for batch in (1, 4):
+        i = point_index(rec, path, "smollm2", 1, batch, 8192)
+        if i is None:
+            continue
+        cells = [f"8192 tokens, batch {batch}"]
+        for mode in ("routed_1_8", "quest_1_8"):
+            r = f"points.{i}.results.{mode}."
+            read, ms = rec.fig("r3", at(path, r + "read_fraction")), rec.fig("ms", at(path, r + "ms_per_token"))
+            cells.append(f"{read} / {ms}")
+        routed = rec.value(at(path, f"points.{i}.results.routed_1_8.ms_per_token"))
+        quest = rec.value(at(path, f"points.{i}.results.quest_1_8.ms_per_token"))
+        cells.append(verdict(routed <= quest))
+        rows.append(cells)
+    return rows
+
+
+def profile_text(rec: Recorder, path: str) -> str:
+    """Shares of a routed decode step (timers around the named methods), per model profiled."""
+    parts = []
+    for model, prof in rec.load(path).get("profile", {}).items():
+        base = f"profile.{model}."
+        rows = [
+            [prof["buckets"][bucket], rec.fig("pct_frac", at(path, f"{base}share_of_step.{bucket}"))]
+            for bucket in prof["share_of_step"]
+        ]
+        book = at(path, base + "bookkeeping_share")
+        parts.append(
+            f"Where a routed step's time goes ({model}, {prof['context']} tokens, batch {prof['batch']}, "
+            f"{prof['steps']} steps; routed {rec.fig('ms', at(path, base + 'routed_ms_per_token'))} ms/token with the "
+            f"timers, exact {rec.fig('ms', at(path, base + 'exact_ms_per_token'))}; the rest of the step is the model "
+            "and the cache's append):\n\n"
+            + table(["part of the step", "% of the step"], rows)
+            + f"\n\nBookkeeping (selection, planning, statistics, placement) {rec.fig('pct_frac', book)}% of the step: "
+            f"goal <= 10%: {verdict(rec.value(book) <= 0.10)}."
+        )
+    return "\n\n".join(parts)
+
+
+def threshold_text(rec: Recorder) -> str:
+    """The always-sparse points behind ``config.SPARSE_FROM``: ms/token ratio of each way per point."""
+    p = ALWAYS_SPARSE
+    if not rec.exists(p):
+        return ""
+    rows = []
+    for i, pt in enumerate(rec.load(p)["points"]):
+        cells = [f"{pt['context']} x batch {pt['batch']}"]
+        for mode in ("exact", "routed", "quest_1_8", "quant4", "quest_quant4"):
+            src = at(p, f"points.{i}.results.{mode}.ms_ratio")
+            cells.append(rec.fig("r2", src) if mode in pt["results"] else "-")
+        rows.append(cells)
+    header = ["context x batch", "exact", "routed", "Quest 1/8", "4-bit", "Quest 1/8 + 4-bit"]
+    return (
+        f"Sparse reads at every length (`{p}`: `sparse_from=0`, ms/token over DynamicCache's, 1 thread, SmolLM2). "
+        "A routed read costs more than the exact one below about 8192 tokens per row, a Quest read below about 4096: "
+        "these are the defaults of `sparse_from` (`pikv_hf.config.SPARSE_FROM`); below them a cache reads densely "
+        "and `routing_stats()` counts no sparse step.\n\n" + table(header, rows) + f"\n\n{rec.load(p)['note']}"
+    )
+
+
+def e2e(rec: Recorder) -> Body:
+    """End-to-end greedy decode on SmolLM2 (and its MoE upcycle) for every way, side by side."""
+    p = E2E
+    d = rec.load(p)
+    tables = [series_table(rec, p, *key) for key in series(rec, p)]
+    plot = p.replace(".json", ".png")
+    parts = [rec.image(plot, "ms per token over DynamicCache's against context")] if rec.exists(plot) else []
+    parts += tables
+    parts.append(
+        "Goals (1 thread, fp32, ratios to DynamicCache in the same run):\n\n"
+        + table(["goal", "measured", "verdict"], goal_rows(rec, p))
+    )
+    equal = equal_read_rows(rec, p)
+    if equal:
+        parts.append(
+            "At a similar fraction of the KV read, routed (cap 1/8) against Quest 1/8, read / ms per token:\n\n"
+            + table(["point", "routed cap 1/8", "Quest 1/8", "routed no slower"], equal)
+        )
+    parts += [profile_text(rec, p), threshold_text(rec)]
+    return Body(
+        measured=(
+            "prefill of the context, then greedy decode one token per forward (the loop of `generate`), every way "
+            f"taking turns over {d['config']['rounds']} rounds of the {d['config']['steps']} timed steps (median "
+            "ms/token); prefill seconds; KV bytes allocated at the end (offloaded bytes apart); fraction of the stored "
+            "tokens a decode step attends to; a different essay passage per batch row; git "
+            f"{d['git']}"
+        ),
+        commands=["make bench-e2e  # these runs, into one JSON:", *d["commands"]],
+        machine=machine_text(rec, p),
+        reads="routed and Quest reads are query-aware (each step selects with its own query); H2O's eviction is "
+        "query-agnostic (prefill statistics), its offloaded half read back by routed selection",
+        budget="per KV head: routed top shards up to 97% estimated mass, at most 64 (1/4) or 32 (1/8) of 256, plus 4 "
+        "sinks and 64 recent tokens; Quest 1/8 of pages of 16; 4-bit: every token older than 128 positions; H2O keeps "
+        "half of each (row, KV head)'s tokens resident",
+        text="\n\n".join(part for part in parts if part),
+    )
+
+
+def _results_key(rec: Recorder, batch: int) -> str | None:
+    """Key prefix of the SmolLM2 results at 8192 tokens, 1 thread, ``batch`` rows (None when not measured)."""
+    if not rec.exists(E2E):
+        return None
+    i = point_index(rec, E2E, "smollm2", 1, batch, 8192)
+    return None if i is None else f"points.{i}.results."
+
+
+def headline_e2e(rec: Recorder) -> tuple[str, str, str] | None:
+    """End-to-end decode against DynamicCache at the longest context, batch 1."""
+    p, r = E2E, _results_key(rec, 1)
+    if r is None:
+        return None
+    ratio = {m: rec.fig("r2", at(p, r + f"{m}.ms_ratio")) for m in ("exact", "quest_1_8", "routed", "quant4")}
+    return (
+        "Decode vs DynamicCache end to end, SmolLM2, 8192 tokens",
+        f"ms/token: exact {ratio['exact']}x, Quest 1/8 {ratio['quest_1_8']}x, routed {ratio['routed']}x, 4-bit "
+        f"{ratio['quant4']}x DynamicCache's (1 thread, batch 1)",
+        "End-to-end decode on the real model",
+    )
+
+
+def headline_routing_gain(rec: Recorder) -> tuple[str, str, str] | None:
+    """Routing's own gain: routed against PiKV's exact mode, batch 4 at the longest context."""
+    p, r = E2E, _results_key(rec, 4)
+    if r is None:
+        return None
+    return (
+        "Routed vs PiKV exact, SmolLM2, 8192 tokens, batch 4",
+        f"{rec.fig('ms', at(p, r + 'routed.ms_per_token'))} vs {rec.fig('ms', at(p, r + 'exact.ms_per_token'))} "
+        f"ms/token, reading {rec.fig('r3', at(p, r + 'routed.read_fraction'))} of the KV",
+        "End-to-end decode on the real model",
+    )

@@ -1,0 +1,50 @@
+"""What a layer learns from the model's forward and what it hands the ``"pikv"`` attention: ``ForwardState`` (set by
+``pikv_hf.hf``'s forward hooks) and ``PagedKV`` (the handle ``PiKVLayer.update`` returns in place of tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pikv_hf.layer import PiKVLayer
+
+
+@dataclass
+class ForwardState:
+    """What a cache learns from the model's forward before its layers run (``pikv_hf.hf``'s hooks set it): that a
+    forward is running (``active``), whether it runs the ``"pikv"`` attention, and ``present`` (``[B, q]`` bool, False
+    for left padding among the new tokens; None when there is none). Outside a forward (direct ``update`` calls)
+    all are off."""
+
+    active: bool = False
+    pikv: bool = False
+    present: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """What ``PiKVLayer.update`` returns in place of key/value tensors inside a forward that runs the ``"pikv"``
+    attention; only that attention reads it. ``shape`` is ``[B, H_kv, T, D]`` with ``T`` the ``kv_length`` of
+    ``get_mask_sizes``, so code that wraps attention functions and inspects sizes (kvpress's patch) keeps working."""
+
+    layer: PiKVLayer
+    kind: str  # "keys" or "values"
+
+    @property
+    def shape(self) -> torch.Size:
+        st = self.layer.store
+        dim = st.k_dim if self.kind == "keys" else st.v_dim
+        return torch.Size((st.batch, st.heads, self.layer.kv_length(), dim))
+
+    def __setitem__(self, index, value) -> None:
+        """kvpress's attention patch writes fake keys at ``(batch, head, seq)`` indices of the view a head-wise press
+        scored (AdaKV, DuoAttention, ...) so that those tokens get no attention; here they are evicted instead."""
+        if self.kind != "keys" or not (isinstance(index, tuple) and len(index) == 3):
+            raise TypeError(
+                "PiKVCache keeps K/V in pages: only kvpress's (batch, head, seq) key masking can be written to its "
+                f"attention inputs, got an assignment to {self.kind}[{index!r}]"
+            )
+        self.layer.apply_head_masks(index)
