@@ -49,8 +49,10 @@ bench: $(STAMP)
 # prefill, KV bytes, fraction read, and where a routed step's time goes (~2.5 h on 2 cores; resumes from the JSON)
 E2E := benchmarks/results/e2e_cpu.json
 bench-e2e: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 1 --batches 1 4 \
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 1 --batches 1 \
 		--contexts 2048 4096 8192 --profile --out $(E2E)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 1 --batches 4 \
+		--contexts 2048 4096 8192 --out $(E2E)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2-moe --threads 1 --batches 1 --contexts 2048 8192 \
 		--out $(E2E)
 	OMP_NUM_THREADS=2 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 2 --batches 1 --contexts 2048 8192 \

@@ -80,10 +80,12 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`_pack`: ``[..., B]`` uint8 -> ``[..., B * 8 // bits]`` float32 codes (shifts and masks on
-    the bytes themselves, one conversion to float at the end)."""
-    mask = (1 << bits) - 1
-    codes = [(packed >> (i * bits)) & mask for i in range(8 // bits)]
-    return torch.stack(codes, -1).flatten(-2).float()
+    the bytes themselves, each code field converted to float as it is written into its interleaved place)."""
+    per, mask = 8 // bits, (1 << bits) - 1
+    out = torch.empty(*packed.shape, per, dtype=torch.float32, device=packed.device)
+    for i in range(per):
+        out[..., i] = (packed >> (i * bits)) & mask if i else packed & mask
+    return out.flatten(-2)
 
 
 def _affine(

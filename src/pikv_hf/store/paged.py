@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.codecs import Codec, IdentityCodec
-from pikv_hf.codecs.base import PageBatch
 from pikv_hf.routing.base import ShardSummary
+from pikv_hf.store.bounds import add_page_bounds, fold_page_bounds, rebuild_page_bounds
+from pikv_hf.store.page_codec import append_to_pages, encode_pages
 from pikv_hf.store.pool import FieldSpec, PagePool
 from pikv_hf.store.repack import repack
 from pikv_hf.store.special import SpecialSlots
@@ -216,7 +217,7 @@ class PagedStore:
         self.pool.flat("valid").index_fill_(0, flat, True)
         self.pool.flat("bias").index_fill_(0, flat, 0.0)
         if self.codec.page_level:
-            self._append_pages(flat, k, v)
+            append_to_pages(self.pool, self.codec, self.kv_fields, flat, k, v, self.page_heads())
         for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
             if pos_one is not None:
                 self.pool.flat(name).index_fill_(0, flat, pos_one if name == "last_access" else 0)
@@ -232,7 +233,7 @@ class PagedStore:
         else:  # counts only
             self.stats.count.scatter_add_(2, shard, torch.ones_like(shard))
         if self.page_bounds_kept:
-            self._fold_page_bounds(page, k)
+            fold_page_bounds(self.pool, page, k)
         if self._marks is not None:
             self._marks.push(slot)
         return slot
@@ -246,31 +247,6 @@ class PagedStore:
             self._marks = SpecialSlots.scan(pos, valid, self.frame_slots(), n_sink, window, row_start)
         return self._marks.all()
 
-    def _append_pages(self, flat: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Page-level codecs: re-encode every page that tokens ``keys`` / ``values`` (``[M, D]``, at flat slots
-        ``flat``) land in, from their decoded content plus the new tokens."""
-        p = self.page_size
-        pages, inv = flat.div(p, rounding_mode="floor").unique(return_inverse=True)
-        old = {name: self.pool.gather(name, pages) for name in self.kv_fields}
-        dec_k, dec_v = self.codec.decode(old)
-        at = inv * p + flat % p
-        dec_k = dec_k.reshape(-1, self.k_dim).index_copy(0, at, keys.to(dec_k.dtype))
-        dec_v = dec_v.reshape(-1, self.v_dim).index_copy(0, at, values.to(dec_v.dtype))
-        fresh = torch.zeros(pages.numel() * p, dtype=torch.bool, device=self.device).index_fill_(0, at, True)
-        self._encode_pages(pages, dec_k.view(-1, p, self.k_dim), dec_v.view(-1, p, self.v_dim), fresh.view(-1, p), old)
-
-    def _encode_pages(
-        self,
-        pages: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        fresh: torch.Tensor,
-        old: dict[str, torch.Tensor],
-    ) -> None:
-        batch = PageBatch(keys, values, self.pool.gather("valid", pages), fresh, self.page_heads()[pages], old)
-        for name, t in self.codec.encode_pages(batch).items():
-            self.pool[name].index_copy_(0, pages, t.to(self.pool[name].dtype))
-
     def page_heads(self) -> torch.Tensor:
         """``[N]`` int64 KV head owning each pool page (runs lie back to back in (row, head) order)."""
         run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(self.table.cap.reshape(-1))
@@ -281,12 +257,6 @@ class PagedStore:
         b, h, _ = shard.shape
         bh = torch.arange(b * h, device=shard.device).view(b, h, 1)
         return bh * self.num_shards + shard
-
-    def _fold_page_bounds(self, page: torch.Tensor, keys: torch.Tensor) -> None:
-        k = keys.float()
-        idx = page.unsqueeze(-1).expand_as(k)
-        self.pool["key_min"].scatter_reduce_(0, idx, k, "amin")
-        self.pool["key_max"].scatter_reduce_(0, idx, k, "amax")
 
     def retain(self, keep: torch.Tensor) -> torch.Tensor:
         """Keep only the frame slots where ``keep`` (``[B, H, W * P]`` bool) is True; returns ``[B, H]`` valid tokens
@@ -313,7 +283,7 @@ class PagedStore:
         src_of_slot[page * p + (r.rank % p)[r.ok]] = r.src
         bounds = self.page_bounds_kept
         if self.codec.page_level:  # decoded before the slots move: their pages' fields are rebuilt below
-            dec_k, dec_v = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
+            dec_k, dec_v = self._decoded()
         self.pool.remap_slots(src_of_slot, {"shard": shard_of_page})
         self._marks = None  # slots moved
         if self.codec.page_level and total:
@@ -321,7 +291,8 @@ class PagedStore:
             keys = dec_k.reshape(-1, self.k_dim)[take].view(total, p, self.k_dim)
             values = dec_v.reshape(-1, self.v_dim)[take].view(total, p, self.v_dim)
             every = torch.arange(total, device=self.device)
-            self._encode_pages(every, keys, values, torch.zeros_like(self.pool["valid"]), dict(self.pool.fields))
+            fresh = torch.zeros_like(self.pool["valid"])
+            encode_pages(self.pool, self.codec, every, keys, values, fresh, dict(self.pool.fields), self.page_heads())
         used = r.count > 0
         t.n_pages = n_pages
         t.open_page = torch.where(used, r.page_base + r.n_pages - 1, -1)
@@ -330,7 +301,7 @@ class PagedStore:
         self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
         self._room = int((t.cap - n_pages).min()) if n_pages.numel() else 0
         if bounds:
-            self._rebuild_page_bounds()
+            rebuild_page_bounds(self.pool, self._decoded()[0])
         return removed.sum(-1)
 
     def index_batch(self, index: torch.Tensor) -> None:
@@ -409,7 +380,7 @@ class PagedStore:
     def _recount(self, bounds: bool) -> None:
         t = self.table
         run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(t.cap.reshape(-1))
-        keys, _ = self.codec.decode({n: self.pool[n] for n in self.kv_fields})
+        keys = self._decoded()[0]
         shard = self.pool["shard"].long().clamp(min=0)
         self.stats.recount(run * self.num_shards + shard, keys, self.pool["valid"], bounds=bounds)
         self._sums_stale = False
@@ -429,15 +400,11 @@ class PagedStore:
     def enable_page_bounds(self) -> None:
         """Keep per-page key min / max from now on (computed once here from the stored keys)."""
         if not self.page_bounds_kept:
-            for name, fill in (("key_min", float("inf")), ("key_max", float("-inf"))):
-                self.pool.add_field(name, FieldSpec((self.k_dim,), torch.float32, fill, per_page=True))
-            self._rebuild_page_bounds()
+            add_page_bounds(self.pool, self._decoded()[0])
 
-    def _rebuild_page_bounds(self) -> None:
-        keys, _ = self.codec.decode({n: self.pool[n] for n in self.kv_fields})  # [N, P, Dk]
-        valid = self.pool["valid"].unsqueeze(-1)
-        self.pool["key_min"].copy_(keys.float().masked_fill(~valid, float("inf")).amin(1))
-        self.pool["key_max"].copy_(keys.float().masked_fill(~valid, float("-inf")).amax(1))
+    def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded keys ``[N, P, Dk]`` and values ``[N, P, Dv]`` of every pool page."""
+        return self.codec.decode({n: self.pool[n] for n in self.kv_fields})
 
     def page_bounds(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Quest's page metadata over the frame's pages: ``(key_min, key_max)`` ``[B, H, W, Dk]`` and valid tokens per

@@ -1,0 +1,34 @@
+"""Per-page key bounds of a :class:`~pikv_hf.store.pool.PagePool`: Quest's ``key_min`` / ``key_max`` (``[N, Dk]``
+float32, one row per page), added once, folded as tokens arrive, rebuilt after a re-pack."""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.store.pool import FieldSpec, PagePool
+
+BOUND_FIELDS = {"key_min": float("inf"), "key_max": float("-inf")}
+
+
+def add_page_bounds(pool: PagePool, keys: torch.Tensor) -> None:
+    """Add the two bound fields to ``pool`` and compute them from its decoded ``keys`` (``[N, P, Dk]``)."""
+    for name, fill in BOUND_FIELDS.items():
+        pool.add_field(name, FieldSpec((keys.shape[-1],), torch.float32, fill, per_page=True))
+    rebuild_page_bounds(pool, keys)
+
+
+def rebuild_page_bounds(pool: PagePool, keys: torch.Tensor) -> None:
+    """Recompute every page's bounds from the decoded ``keys`` (``[N, P, Dk]``) of its valid slots."""
+    assert keys.dim() == 3 and keys.shape[0] == pool["valid"].shape[0], "keys must be [N, P, Dk] over the pool"
+    valid = pool["valid"].unsqueeze(-1)
+    for name, fill in BOUND_FIELDS.items():
+        k = keys.float().masked_fill(~valid, fill)
+        pool[name].copy_(k.amin(1) if name == "key_min" else k.amax(1))
+
+
+def fold_page_bounds(pool: PagePool, page: torch.Tensor, keys: torch.Tensor) -> None:
+    """Widen the bounds of pages ``page`` (``[M]`` int64) by the new ``keys`` (``[M, Dk]``) stored in them."""
+    k = keys.float()
+    idx = page.unsqueeze(-1).expand_as(k)
+    pool["key_min"].scatter_reduce_(0, idx, k, "amin")
+    pool["key_max"].scatter_reduce_(0, idx, k, "amax")
