@@ -6,7 +6,8 @@ row (a different passage per row), once per way, then decodes greedily one token
 state. It reports per way the median ms per token, the prefill seconds, the KV bytes held (tensors allocated,
 measured; offloaded bytes apart), the fraction of the stored tokens a decode step attends to (measured counters) and
 how many decode steps read sparsely, each with its ratio to DynamicCache (the model's own SDPA attention) of the same
-point. Points already in ``--out`` are kept (the run resumes); ``--profile`` adds where a routed step's time goes.
+point. Points already in ``--out`` are kept (the run resumes; each point records the commit it was measured at);
+``--profile`` adds where a routed step's time goes.
 
 The ways (``MODES``): ``dynamic`` (DynamicCache); ``exact`` (PiKVCache); ``routed`` (the README's setting: 256
 key-cluster shards of pages of one token, per KV head the top shards up to an estimated 97% of the attention mass,
@@ -322,7 +323,7 @@ def main() -> None:
                     results = run_point(model, tokenizer, args.modes, context, batch, args)
                     result["points"].append(
                         {"model": model_name, "threads": threads, "batch": batch, "context": context,
-                         "results": results}  # fmt: skip
+                         "git": git_revision(), "results": results}  # fmt: skip
                     )
                     result.update(run_metadata(threads))
                     result["git"] = git_revision()
@@ -333,9 +334,9 @@ def main() -> None:
         if args.profile:
             torch.set_num_threads(1)
             print(f"profile of a routed step, {model_name}, {args.profile_context} tokens", flush=True)
-            result.setdefault("profile", {})[model_name] = profile_routed(
-                model, tokenizer, args.profile_context, 1, args.steps
-            )
+            result.setdefault("profile", {})[model_name] = {
+                **profile_routed(model, tokenizer, args.profile_context, 1, args.steps), "git": git_revision()
+            }
             print(json.dumps(result["profile"][model_name], indent=2))
             write_result(args.out, result)
     plot(result["points"], args.out.with_suffix(".png"))
