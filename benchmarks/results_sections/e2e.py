@@ -43,13 +43,8 @@ def point_index(rec: Recorder, path: str, model: str, threads: int, batch: int, 
 
 
 def series(rec: Recorder, path: str) -> list[tuple[str, int, int]]:
-    """(model, threads, batch) of the points in ``path``, in the order they were measured."""
-    out: list[tuple[str, int, int]] = []
-    for p in rec.load(path)["points"]:
-        key = (p["model"], p["threads"], p["batch"])
-        if key not in out:
-            out.append(key)
-    return out
+    """(model, threads, batch) of the points in ``path``, sorted."""
+    return sorted({(p["model"], p["threads"], p["batch"]) for p in rec.load(path)["points"]})
 
 
 def series_table(rec: Recorder, path: str, model: str, threads: int, batch: int) -> str:
@@ -78,7 +73,8 @@ def series_table(rec: Recorder, path: str, model: str, threads: int, batch: int)
         read = rec.fig("r3", at(path, r + "read_fraction"))
         cells += [rec.fig("r2", at(path, r + "prefill_ratio")), kv, read, sparse]
         rows.append(cells)
-    return f"{model}, {threads} thread(s), batch {batch}:\n\n{table(header, rows)}"
+    commits = ", ".join(sorted({p.get("git", "?") for _, p in points}))
+    return f"{model}, {threads} thread(s), batch {batch} (git {commits}):\n\n{table(header, rows)}"
 
 
 def goal_rows(rec: Recorder, path: str) -> list[list[str]]:
@@ -138,7 +134,8 @@ def profile_text(rec: Recorder, path: str) -> str:
         ]
         book = at(path, base + "bookkeeping_share")
         parts.append(
-            f"Where a routed step's time goes ({model}, {prof['context']} tokens, batch {prof['batch']}, "
+            f"Where a routed step's time goes ({model}, {prof['context']} tokens, batch {prof['batch']}, git "
+            f"{prof.get('git', '?')}, "
             f"{prof['steps']} steps; routed {rec.fig('ms', at(path, base + 'routed_ms_per_token'))} ms/token with the "
             f"timers, exact {rec.fig('ms', at(path, base + 'exact_ms_per_token'))}; the rest of the step is the model "
             "and the cache's append):\n\n"
@@ -194,8 +191,8 @@ def e2e(rec: Recorder) -> Body:
             "prefill of the context, then greedy decode one token per forward (the loop of `generate`), every way "
             f"taking turns over {d['config']['rounds']} rounds of the {d['config']['steps']} timed steps (median "
             "ms/token); prefill seconds; KV bytes allocated at the end (offloaded bytes apart); fraction of the stored "
-            "tokens a decode step attends to; a different essay passage per batch row; git "
-            f"{d['git']}"
+            "tokens a decode step attends to; a different essay passage per batch row; the commit of each table's "
+            "points in its heading"
         ),
         commands=["make bench-e2e  # these runs, into one JSON:", *d["commands"]],
         machine=machine_text(rec, p),
