@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from bench_cache import run_metadata, write_result
 from transformers import DynamicCache
 
 from pikv_hf import PiKVCache
+from pikv_hf.eval.results import git_commit
 from pikv_hf.presses import H2OPress, QuantPress
 
 ROUTED = dict(
@@ -247,10 +247,9 @@ def profile_routed(model, tokenizer, context: int, batch: int, steps: int) -> di
 
 
 def git_revision() -> str:
-    """The working tree's commit, ``(dirty)`` when it has uncommitted changes."""
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    return rev + (" (dirty)" if dirty.stdout.strip() else "")
+    """The checkout's short commit (:func:`pikv_hf.eval.results.git_commit`), ``(dirty)`` when it has changes."""
+    git = git_commit()
+    return f"{(git['commit'] or 'unknown')[:7]}{' (dirty)' if git['dirty'] else ''}"
 
 
 def point_key(p: dict) -> tuple:

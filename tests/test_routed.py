@@ -162,13 +162,10 @@ def test_dense_layers_decode_exactly_and_count_a_full_read(attention):
 
 
 @pytest.mark.parametrize("attention", ["routed", "quest"])
-def test_below_sparse_from_steps_read_densely_and_are_counted(attention, monkeypatch):
+def test_below_sparse_from_steps_read_densely_and_are_counted(attention, shipped_sparse_from):
     """A step reads sparsely once the layer has seen ``sparse_from`` positions per row: before, it equals exact
     attention (DynamicCache) and ``routing_stats`` counts it as a dense step. Unset, the threshold is the mode's
     measured default."""
-    import pikv_hf.config
-
-    monkeypatch.setattr(pikv_hf.config, "SPARSE_FROM", {"routed": 8192, "quest": 4096})  # the shipped values
     ref, model = model_pair("mixtral")
     ids = prompt(41)  # 41 prompt tokens, then 7 decode steps that see 42 .. 48 positions (their own token included)
     out_ref = generate(ref, ids, DynamicCache())

@@ -282,10 +282,7 @@ def test_duo_attention_budgets_and_saved_heads(tmp_path):
 
 # ---------------------------------------------------------------------- offload tier
 @pytest.mark.parametrize("target", ["cpu", "disk"])
-def test_offloaded_tokens_are_read_back_and_counted(target, monkeypatch):
-    import pikv_hf.config
-
-    monkeypatch.setattr(pikv_hf.config, "SPARSE_FROM", {"routed": 8192, "quest": 4096})  # the shipped thresholds
+def test_offloaded_tokens_are_read_back_and_counted(target, shipped_sparse_from):
     _, model = model_pair("mixtral")
     ids = prompt(T, seed=3)
     plain = model.generate(ids, past_key_values=_cache(model), max_new_tokens=6, do_sample=False,

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from pikv_hf.cache import PiKVCache
 from pikv_hf.checks import CommandLineError, check_int_at_least, check_ratio
+from pikv_hf.config import SPARSE_FROM
 
 SHARDS = 256
 # sparse_from=0: the demo's few thousand tokens lie below the context where a sparse read pays on a CPU (the cache's
@@ -123,8 +124,6 @@ def answer(model, tokenizer, name: str, cache, prompt, presses: list, max_new_to
 
 def why_slower(way: Answer, full: Answer, weights: int, context: int) -> str:
     """One line: why ``way`` decodes slower than the full cache at this length (from what was measured)."""
-    from pikv_hf.config import SPARSE_FROM
-
     mib = 2**20
     step = f"a step reads {weights / mib:.0f} MiB of weights and {full.kv_bytes / mib:.0f} MiB of KV"
     if way.name == "routed":

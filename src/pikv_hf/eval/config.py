@@ -19,7 +19,6 @@ ABSTRACT_PRESSES = ("ScorerPress",)  # base classes without a scoring rule
 PIKV_MODES = {"pikv_routed": "routed", "pikv_quest": "quest"}  # decode attention modes of PiKVCache (--cache pikv)
 
 
-
 @dataclass
 class EvalConfig:
     """Arguments of one evaluation run (also written to ``metrics.json``).

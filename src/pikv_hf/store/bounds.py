@@ -20,10 +20,9 @@ def add_page_bounds(pool: PagePool, keys: torch.Tensor) -> None:
 def rebuild_page_bounds(pool: PagePool, keys: torch.Tensor) -> None:
     """Recompute every page's bounds from the decoded ``keys`` (``[N, P, Dk]``) of its valid slots."""
     assert keys.dim() == 3 and keys.shape[0] == pool["valid"].shape[0], "keys must be [N, P, Dk] over the pool"
-    valid = pool["valid"].unsqueeze(-1)
-    for name, fill in BOUND_FIELDS.items():
-        k = keys.float().masked_fill(~valid, fill)
-        pool[name].copy_(k.amin(1) if name == "key_min" else k.amax(1))
+    k, empty = keys.float(), ~pool["valid"].unsqueeze(-1)
+    pool["key_min"].copy_(k.masked_fill(empty, BOUND_FIELDS["key_min"]).amin(1))
+    pool["key_max"].copy_(k.masked_fill(empty, BOUND_FIELDS["key_max"]).amax(1))
 
 
 def fold_page_bounds(pool: PagePool, page: torch.Tensor, keys: torch.Tensor) -> None:
