@@ -4,12 +4,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from pikv_hf.layer import PiKVLayer
+if TYPE_CHECKING:  # annotations only: the store package imports the kernels, which hf.py must not load first
+    from pikv_hf.store import PagedStore
+    from pikv_hf.view import DenseView
+
+
+class PagedLayer(Protocol):
+    """What a ``PagedKV`` handle and the ``"pikv"`` attention (``pikv_hf.hf``) use of the layer behind it
+    (``PiKVLayer``; named here so this module need not import the layer)."""
+
+    layer_idx: int
+    store: PagedStore | None
+    has_view: bool
+
+    def kv_length(self) -> int: ...
+    def view(self) -> DenseView | None: ...
+    def apply_head_masks(self, masks, view: DenseView | None = None) -> None: ...
+    def attend(
+        self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -30,7 +47,7 @@ class PagedKV:
     attention; only that attention reads it. ``shape`` is ``[B, H_kv, T, D]`` with ``T`` the ``kv_length`` of
     ``get_mask_sizes``, so code that wraps attention functions and inspects sizes (kvpress's patch) keeps working."""
 
-    layer: PiKVLayer
+    layer: PagedLayer
     kind: str  # "keys" or "values"
 
     @property
