@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels clean-venv
+.PHONY: demo test lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-gpu clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -82,6 +82,17 @@ bench-distributed: $(STAMP)
 # device under benchmarks/results/ (the fused Triton kernels on CUDA, the torch reference path on CPU). Not in `test`.
 bench-kernels: $(STAMP)
 	$(PY) benchmarks/kernels.py
+
+# On a machine with a CUDA GPU and its own torch / triton (no venv, nothing installed, no network): every way eager
+# against DynamicCache and compiled against StaticCache at 32k x batch 1 and 8, random weights of Llama-3.1-8B's and
+# Qwen3-30B-A3B's attention shapes, into benchmarks/results/gpu_<device>.json and .png (~6 min on an H200; `make
+# results` shows it). The other pins may come from a wheel folder: `pip install --no-deps --target DIR <wheels>`, then
+# `make bench-gpu WHEELS=DIR`. BENCH_GPU_ARGS passes options (e.g. --budget-s 600, --attention-backend torch).
+PYTHON ?= python3
+WHEELS ?=
+BENCH_GPU_ARGS ?=
+bench-gpu:
+	PYTHONPATH=src$(if $(WHEELS),:$(WHEELS))$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
 
 # >>> eval targets (owned by the evaluation harness)
 # Results table: kvpress presses x ratios on dense and upcycled-MoE SmolLM2, RULER needle tasks at 2k (resumable).

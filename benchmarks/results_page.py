@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from results_sections import compression, decode, e2e, memory, routing, scheduling
+from results_sections import compression, decode, e2e, gpu, memory, routing, scheduling
 from results_sections.framework import PAGE, Figure, Recorder, Section, table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,7 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 SECTIONS = [
     Section("End-to-end decode on the real model", (e2e.E2E,), e2e.e2e),
+    Section("Decode on a GPU", (gpu.GPU_GLOB,), gpu.gpu),
     Section("Exact cache vs DynamicCache", (decode.CACHE_EXACT,), decode.cache_exact),
     Section("Decode speed", decode.DECODE_SPEED, decode.decode_speed),
     Section("Decode regression", decode.DECODE_REGRESSION, decode.decode_regression),

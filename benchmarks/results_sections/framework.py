@@ -42,6 +42,7 @@ FORMATS: dict[str, Callable[[Any], str]] = {
     "pct_of": lambda v: f"{100 * v:.0f}%",
     "mib": lambda v: f"{v / MIB:.1f}",
     "kib": lambda v: f"{v / 2**10:.1f}",
+    "gib": lambda v: f"{v / 2**30:.1f}",
     "int": lambda v: f"{int(v):,}",
     "gbs": lambda v: f"{v:.1f}",
     "sci": lambda v: f"{v:.1e}",

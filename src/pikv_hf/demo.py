@@ -137,6 +137,12 @@ def why_slower(way: Answer, full: Answer, weights: int, context: int) -> str:
     return f"{way.name}: {speed} because at {context} tokens {step}: {cause}."
 
 
+def demo_device() -> torch.device:
+    """The first CUDA device when there is one (``CUDA_VISIBLE_DEVICES=`` hides it), else the CPU; the model stays fp32
+    on either, so the answers are those of the CPU run."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def check_demo_args(args: argparse.Namespace) -> None:
     """Raise :class:`pikv_hf.checks.CommandLineError` naming the first bad option, before any model is loaded."""
     try:
@@ -162,15 +168,18 @@ def run_demo(args: argparse.Namespace) -> int:
     from pikv_hf.presses import QuantPress
 
     start = time.perf_counter()
+    device = demo_device()
     model, tokenizer, info = load_named_model("smollm2-moe" if args.moe else "smollm2")
+    model.to(device)
     builder = PromptBuilder(tokenizer)
     task = "niah_single_number"
     sample = generate_sample(task, args.sample, args.context, args.seed, Haystack(builder.count), builder.reserve())
-    prompt = builder.build(sample.context, sample.question, sample.answer_prefix)
+    prompt = tuple(ids.to(device) for ids in builder.build(sample.context, sample.question, sample.answer_prefix))
     planted = sample.answers[0]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(
-        f"model: {info['name']} ({info['parameters'] / 1e6:.0f}M parameters, fp32, CPU, "
-        f"{torch.get_num_threads()} threads), loaded in {time.perf_counter() - start:.1f} s"
+        f"model: {info['name']} ({info['parameters'] / 1e6:.0f}M parameters, fp32, {where}), "
+        f"loaded in {time.perf_counter() - start:.1f} s"
     )
     print(
         f"document: {prompt[0].shape[1]} tokens of essays with one planted fact at depth {sample.depths[0]:.0%} "

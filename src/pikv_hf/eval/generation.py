@@ -132,8 +132,9 @@ def answer_from_cache(
     """
     import torch
 
+    device = question_ids.device
     with torch.no_grad():
-        positions = torch.arange(context_len, context_len + question_ids.shape[1]).unsqueeze(0)
+        positions = torch.arange(context_len, context_len + question_ids.shape[1], device=device).unsqueeze(0)
         logits = model(input_ids=question_ids, past_key_values=kv, position_ids=positions, logits_to_keep=1).logits
         next_pos = context_len + question_ids.shape[1]
         generated: list[int] = []
@@ -146,9 +147,13 @@ def answer_from_cache(
                 break
             start = time.perf_counter()
             logits = model(
-                input_ids=torch.tensor([[token]]), past_key_values=kv, position_ids=torch.tensor([[next_pos]])
+                input_ids=torch.tensor([[token]], device=device),
+                past_key_values=kv,
+                position_ids=torch.tensor([[next_pos]], device=device),
             ).logits
             if step_times is not None:
+                if logits.is_cuda:  # the step's kernels, not only their launch
+                    torch.cuda.synchronize()
                 step_times.append(time.perf_counter() - start)
             next_pos += 1
     return generated

@@ -1,0 +1,140 @@
+"""Decode on a GPU (``benchmarks/bench_gpu.py``, ``make bench-gpu``): every way eager against DynamicCache and
+compiled against StaticCache, with kernels per step, GPU-busy time, peak memory and whether ``generate`` compiles a
+PiKV step by itself. One subsection per ``benchmarks/results/gpu_<device>.json``; none is left out of the page."""
+
+from __future__ import annotations
+
+from .framework import BENCH, Body, Recorder, at, table, versions_text
+
+GPU_GLOB = f"{BENCH}/gpu_*.json"
+WAY_TEXT = {
+    "dynamic": "DynamicCache",
+    "static": "StaticCache",
+    "exact": "PiKVCache exact",
+    "routed": "routed, README setting (cap 1/4)",
+    "routed_1_8": "routed, cap 1/8",
+    "quest_1_8": "Quest 1/8 (pages of 16)",
+    "quant4": "QuantPress 4-bit (pages of 64)",
+    "quest_quant4": "Quest 1/8 + 4-bit",
+    "h2o_offload_routed": "H2O 0.5 + offload + routed",
+}
+
+
+def _cell(rec: Recorder, path: str, key: str, fmt: str, row: dict, field: str) -> str:
+    return rec.fig(fmt, at(path, key + field)) if row.get(field) is not None else "-"
+
+
+def point_table(rec: Recorder, path: str, section: str, i: int) -> str:
+    """One point's ways: ms/token (ratio), kernels and GPU-busy ms per step, prefill s, peaks, read; or the error."""
+    point = rec.load(path)[section][i]
+    base = "DynamicCache" if section == "eager" else "StaticCache compiled"
+    header = [
+        "way",
+        f"ms/token (x {base})",
+        "kernels / step",
+        "busy ms / step",
+        "prefill s",
+        "peak GiB prefill",
+        "peak GiB decode",
+        "read",
+    ]
+    rows = []
+    for way, r in point["results"].items():
+        key = f"{section}.{i}.results.{way}."
+        name = WAY_TEXT.get(way, way)
+        if "ms_per_token" not in r:
+            reason = r.get("error") or r.get("skipped") or "not measured"
+            rows.append([name, reason.splitlines()[0][:160].replace("|", "/"), *["-"] * (len(header) - 2)])
+            continue
+        ms = f"{rec.fig('ms', at(path, key + 'ms_per_token'))} ({rec.fig('r2', at(path, key + 'ms_ratio'))})"
+        rows.append(
+            [
+                name,
+                ms,
+                rec.fig("int", at(path, key + "kernels_per_step")),
+                rec.fig("ms", at(path, key + "busy_ms_per_step")),
+                rec.fig("r2", at(path, key + "prefill_s")),
+                _cell(rec, path, key, "gib", r, "peak_prefill_bytes"),
+                _cell(rec, path, key, "gib", r, "peak_decode_bytes"),
+                rec.fig("r3", at(path, key + "read_fraction")),
+            ]
+        )
+    title = (
+        f"{section}, {point['shape']} ({point['layers']} layers), {point['context']} tokens x batch {point['batch']}"
+    )
+    return f"{title}:\n\n{table(header, rows)}"
+
+
+def generate_table(rec: Recorder, path: str) -> str:
+    """``generate`` with transformers' automatic compile on ``PiKVCache(max_cache_len)``."""
+    parts = []
+    for i, point in enumerate(rec.load(path)["generate"]):
+        rows = []
+        for way, r in point["results"].items():
+            key = f"generate.{i}.results.{way}."
+            if "ms_per_token" not in r:
+                reason = (r.get("error") or r.get("skipped") or "not measured").splitlines()[0][:160]
+                rows.append([WAY_TEXT.get(way, way), reason.replace("|", "/"), "-", "-", "-"])
+                continue
+            rows.append(
+                [
+                    WAY_TEXT.get(way, way),
+                    rec.fig("ms", at(path, key + "ms_per_token")),
+                    rec.fig("int", at(path, key + "graph_breaks")),
+                    rec.fig("int", at(path, key + "graphs_compiled")),
+                    "yes" if r["tokens_equal_eager"] and r["compiled_by_generate"] else "**no**",
+                ]
+            )
+        header = ["way", "ms/token", "graph breaks", "graphs compiled", "compiled, tokens equal eager"]
+        parts.append(
+            f"`generate` compiling the decode step by itself, {point['shape']} ({point['layers']} layers), "
+            f"{point['context']} tokens x batch {point['batch']}:\n\n{table(header, rows)}"
+        )
+    return "\n\n".join(parts)
+
+
+def device_text(rec: Recorder, path: str) -> str:
+    d = rec.load(path)
+    m = d["machine"]
+    memory = f", {rec.fig('gib', at(path, 'machine.memory_bytes'))} GiB" if "memory_bytes" in m else ""
+    versions = {**d["versions"], "triton": d["versions"].get("triton")}
+    extra = f", triton {versions['triton']}" if versions["triton"] else ""
+    return f"{m['device']}{memory}; {versions_text(versions)}{extra}; git {d['git']}"
+
+
+def gpu(rec: Recorder) -> Body:
+    """Every GPU JSON: its eager and compiled points, then the ``generate`` compile check."""
+    paths = rec.glob(GPU_GLOB)
+    parts, machines, commands = [], [], []
+    for path in paths:
+        d = rec.load(path)
+        machines.append(device_text(rec, path))
+        commands.append(d["command"])
+        cfg = d["config"]
+        shapes = "; ".join(f"{name}: {s['note']}" for name, s in cfg["shapes"].items())
+        parts.append(
+            f"`{path}`{' (the --tiny CPU run)' if d['tiny'] else ''}: random weights, {cfg['dtype']}, SDPA; {shapes}"
+            + ("" if d.get("complete") else "; **the run stopped early** (the points below are those it wrote)")
+        )
+        plot = path.replace(".json", ".png")
+        if rec.exists(plot):
+            parts.append(rec.image(plot, "ms per token over the baseline, per way"))
+        parts += [point_table(rec, path, s, i) for s in ("eager", "compiled") for i in range(len(d[s]))]
+        if d["generate"]:
+            parts.append(generate_table(rec, path))
+    return Body(
+        measured=(
+            "per way one prefill of random tokens, then greedy one-token steps: median ms/token over the timed steps "
+            "after warm-up, its ratio to the section's baseline in the same run (eager: DynamicCache; compiled: "
+            "StaticCache under the same torch.compile); kernels launched and GPU-busy time per step from "
+            "torch.profiler; peak memory allocated during prefill and during decode (statistics reset before each); "
+            "fraction of the stored tokens a step attends to"
+        ),
+        commands=["make bench-gpu  # writes benchmarks/results/gpu_<device>.json and .png", *commands],
+        machine=" / ".join(machines),
+        reads="not applicable (random weights: speed and memory only)",
+        budget="routed: top shards up to 97% estimated mass, at most 64 (1/4) or 32 (1/8) of 256, plus 4 sinks and "
+        "64 recent tokens, read sparsely from the first step; Quest 1/8 of pages of 16; 4-bit: tokens older than "
+        "128 positions; H2O keeps half of each (row, KV head)'s tokens resident",
+        text="\n\n".join(parts),
+    )
