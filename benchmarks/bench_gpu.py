@@ -534,7 +534,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/gpu_<device>.json; --tiny: a temp)")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     p.add_argument("--layers", type=int, help="decoder layers of the eager models (default 8; --tiny 2)")
-    p.add_argument("--compile-layers", type=int, help="decoder layers of the compiled section (default 4; --tiny 1)")
+    p.add_argument("--compile-layers", type=int, help="decoder layers of the compiled section (default 4; --tiny 2)")
     p.add_argument("--context", type=int, help="prompt tokens per row (default 32768; --tiny 256)")
     p.add_argument("--batches", type=int, nargs="+", help="eager batch sizes (default 1 8; --tiny 1 2)")
     p.add_argument("--compile-batches", type=int, nargs="+", help="compiled batch sizes (default 8; --tiny 2)")
@@ -561,7 +561,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tiny = args.tiny
     defaults = dict(
         layers=2 if tiny else 8,
-        compile_layers=1 if tiny else 4,
+        compile_layers=2 if tiny else 4,
         context=256 if tiny else 32768,
         batches=[1, 2] if tiny else [1, 8],
         compile_batches=[2] if tiny else [8],
