@@ -59,7 +59,7 @@ class StaticPiKVLayer(PiKVLayer):
     def _set_seen(self, value: int) -> None:
         self._seen_t.fill_(value)
 
-    def _sparse_due(self) -> bool:
+    def _sparse_rows(self) -> bool:
         # the count of tokens seen is a tensor here: the reservation decides, so a compiled step has one branch
         return self.policy.sparse and self.max_cache_len >= self.read.sparse_threshold
 
