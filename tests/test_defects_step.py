@@ -70,3 +70,46 @@ def test_sparse_from_counts_each_rows_real_tokens(mode):
     assert len(below) == len(DECODE_TOKENS)  # the shortest row never reached the threshold
     stats = batch.routing_stats()["overall"]
     assert stats["sparse_steps"] == len(DECODE_TOKENS) * len(batch.layers)  # row 0 reads sparsely at every step
+
+
+def _fail_at_layer(model, index: int):
+    def boom(*_):
+        raise RuntimeError("simulated failure in a decoder layer")
+
+    return model.model.layers[index].register_forward_pre_hook(boom)
+
+
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+def test_failed_forward_leaves_the_cache_as_before(failing):
+    # layer 2 of 3 raises after layers 0-1 stored the forward's tokens: they are dropped again, nothing the failed
+    # forward made stays referenced, and the next forwards equal DynamicCache's run without the failure
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ids, cache, dyn = prompt(30), PiKVCache(model, page_size=4), DynamicCache()
+    stored = []  # weak references to the key / value states of the failed forward
+    update = cache.update
+
+    def watch(k, v, layer_idx, cache_kwargs=None):
+        stored.extend([weakref.ref(k), weakref.ref(v)])
+        return update(k, v, layer_idx, cache_kwargs)
+
+    with torch.no_grad():
+        if failing == "decode":
+            model(ids, past_key_values=cache)
+        failed = ids if failing == "prefill" else torch.tensor([[5]])
+        hook, cache.update = _fail_at_layer(model, 2), watch
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            model(failed, past_key_values=cache)
+        hook.remove()
+        del cache.update
+        assert len(stored) == 4  # layers 0 and 1 stored
+        gc.collect()
+        assert all(r() is None for r in stored)
+        assert [layer.get_seq_length() for layer in cache.layers] == [0 if failing == "prefill" else 30] * 3
+        if failing == "prefill":
+            model(ids, past_key_values=cache)
+        ref(ids, past_key_values=dyn)
+        for i in range(4):
+            token, pos = torch.tensor([[40 + i]]), torch.tensor([30 + i])
+            got = model(token, past_key_values=cache, cache_position=pos).logits
+            want = ref(token, past_key_values=dyn, cache_position=pos).logits
+            assert (got - want).abs().max() < 1e-4
