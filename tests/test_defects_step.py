@@ -113,3 +113,43 @@ def test_failed_forward_leaves_the_cache_as_before(failing):
             got = model(token, past_key_values=cache, cache_position=pos).logits
             want = ref(token, past_key_values=dyn, cache_position=pos).logits
             assert (got - want).abs().max() < 1e-4
+
+
+def test_compiled_steps_past_max_cache_len_corrupt_no_other_row():
+    # runs reserve ceil(8 / 4) + 2 shards = 4 pages (16 slots) per (row, KV head); row 1 has 6 pads, so its runs fill
+    # 6 positions later than row 0's. Past max_cache_len the compiled steps go on: row 0's runs spill at position 16
+    # into their own last page (its logits turn NaN), row 1 stays equal to DynamicCache's until its own runs are full
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ids = prompt(8, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6], ids[1, :6] = 0, 0
+    cache = PiKVCache(model, page_size=4, num_shards=2, max_cache_len=8)
+    dyn = DynamicCache()
+    nan_from = None
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        ref(ids, attention_mask=mask, past_key_values=dyn)
+        dynamo.reset()
+        step = torch.compile(
+            lambda t, p: model(t, past_key_values=cache, cache_position=p).logits, backend="aot_eager", fullgraph=True
+        )
+        for pos in range(8, 22):  # row 1's runs hold 16 of its 2 + 14 real tokens
+            token = torch.tensor([[7 + pos], [30 + pos]])
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            got = step(token, torch.tensor([pos]))[:, -1]
+            want = ref(token, past_key_values=dyn, cache_position=torch.tensor([pos]), attention_mask=mask).logits
+            assert (got[1] - want[1, -1]).abs().max() < 1e-4, pos
+            if nan_from is None and bool(got[0].isnan().all()):
+                nan_from = pos
+            if nan_from is None:
+                assert (got[0] - want[0, -1]).abs().max() < 1e-4, pos
+            else:
+                assert bool(got[0].isnan().all()), pos
+        assert nan_from == 16
+        with pytest.raises(ValueError, match="max_cache_len=8"):
+            model(torch.tensor([[5], [6]]), past_key_values=cache, cache_position=torch.tensor([22]))
+        with pytest.raises(ValueError, match="reset"):
+            cache.crop(8)
+        cache.reset()  # usable again
+        model(ids, attention_mask=mask[:, :8], past_key_values=cache)
+        assert cache.get_seq_length() == 8
