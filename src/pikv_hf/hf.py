@@ -33,13 +33,35 @@ DEFAULT_PREVIOUS = "sdpa"
 
 class ForwardAwareCache(Cache):
     """A cache the decoder's forward hooks tell, before the layers run, what the forward brings (``begin_forward``)
-    and that it ended (``end_forward``)."""
+    and that it ended (``end_forward``); after a forward that raised half-way, the hooks put its layers back in step
+    (``undo_partial_forward``) or, where that is impossible, refuse further forwards until ``reset``."""
+
+    out_of_step: str | None = None  # why the layers hold different positions (a failed undo), else None
 
     def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
         raise NotImplementedError
 
     def end_forward(self) -> None:
         raise NotImplementedError
+
+    def undo_partial_forward(self) -> None:
+        """After a forward that raised: the layers that stored its tokens before the failure drop them again (a crop
+        to the shortest layer; a reset if that is empty), so that every layer holds the same positions."""
+        lengths = [layer.get_seq_length() for layer in self.layers]
+        if len(set(lengths)) == 1 or self.out_of_step is not None:
+            return
+        try:
+            if min(lengths) == 0:
+                self.reset()
+            else:
+                self.crop(min(lengths))
+        except Exception as e:
+            self.out_of_step = f"a forward failed after some layers stored its tokens (positions {lengths}): {e}"
+            raise
+
+    def reset(self) -> None:
+        super().reset()
+        self.out_of_step = None
 
 
 _PIKV_FORWARDS: list[bool] = []  # per forward in progress (nested ones too): does it read a PiKVCache via "pikv"?
@@ -199,6 +221,8 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
                 replaced = ((*args[:at], None, *args[at + 1 :]), kwargs)
         cache.begin_forward(mask, tokens.shape[1], pikv)
         _PIKV_FORWARDS.append(pikv)
+        if cache.out_of_step is not None:  # after the pushes: the forward hook pops them as the forward fails
+            raise RuntimeError(f"{type(cache).__name__} is out of step: {cache.out_of_step}; call reset() on it")
         return replaced
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -207,6 +231,8 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
         cache = argument("past_key_values", args, kwargs)
         if isinstance(cache, ForwardAwareCache):
             cache.end_forward()
+            if output is None:  # the forward raised (torch calls this hook, then re-raises)
+                cache.undo_partial_forward()
 
     return (
         decoder.register_forward_pre_hook(before, with_kwargs=True),

@@ -99,6 +99,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.evicted: torch.Tensor | None = None  # [B, H] tokens evicted per (row, KV head); crop is not eviction
         self._min_evicted = 0  # evicted.min(), kept as a Python int so that mask sizes need no device sync
         self.row_start: torch.Tensor | None = None  # [B] position of each row's first real token
+        self._start_bounds = (0, 0)  # (min, max) of row_start over rows with a real token, as Python ints
         self._last_qpos: torch.Tensor | None = None  # [q] positions of the latest update
         self._fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # latest K/V when the store was empty
         self._index_pos: torch.Tensor | None = None  # [B, H, n] positions of kvpress's head-mask index space
@@ -158,6 +159,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.row_start = torch.zeros(b, dtype=torch.int64, device=key_states.device)
         self._row_open = torch.ones(b, dtype=torch.bool, device=key_states.device)  # no real token stored yet
         self._rows_open, self._padded = True, False  # host flags: some row still open / left padding seen
+        self._start_bounds = (0, 0)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
@@ -236,8 +238,17 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         opening = self._row_open & real
         self.row_start = torch.where(opening, first, self.row_start)
         self._row_open = self._row_open & ~real
-        self._rows_open = bool(self._row_open.any())  # a host read, until every row has seen a real token
+        self._read_rows()
         self._padded = self._padded or present is not None
+
+    def _read_rows(self) -> None:
+        """Read back (one host read, only while some row is still open or after a batch change) whether a row has
+        no real token yet and the range of the rows' first real positions, which ``_sparse_rows`` compares."""
+        closed = ~self._row_open
+        lo = torch.where(closed, self.row_start, torch.iinfo(torch.int64).max).min()
+        hi = torch.where(closed, self.row_start, -1).max()
+        still_open, lo, hi = torch.stack([self._row_open.any().long(), lo, hi]).tolist()
+        self._rows_open, self._start_bounds = bool(still_open), (lo, hi)
 
     def attend(
         self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
@@ -264,19 +275,30 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         decode = q == 1 and self.read.sparse
         x = Query(query, self._last_qpos, scale, sliding_window, sinks, self.row_start, self.forward.present)
         mass_of = self.store if self.track_stats else None
-        part = self.step(self._group(), x, decode and self._sparse_due(), decode, mass_of)
+        sparse = self._sparse_rows() if decode else False
+        dense_rows = None if isinstance(sparse, bool) else ~sparse
+        part = self.step(self._group(), x, sparse is not False, decode, mass_of, dense_rows)
         return part.o.transpose(1, 2).to(query.dtype)
 
     def _group(self):
         return self.stores.group()
 
-    def _sparse_due(self) -> bool:
-        """Whether a decode step reads under the sparse policy: once the layer has seen ``read.sparse_threshold``
-        positions per row (below that a dense read costs less than planning a sparse one), and at any length while it
-        holds tokens in the offload tier (a dense read would fetch the whole tier every step)."""
+    def _sparse_rows(self) -> bool | torch.Tensor:
+        """Which rows of a decode step read under the sparse policy: a row once it has seen
+        ``read.sparse_threshold`` positions from its first real token (left padding is not counted; below that a
+        dense read costs less than planning a sparse one), and every row while the layer holds tokens in the offload
+        tier (a dense read would fetch the whole tier every step). ``True`` / ``False``: all rows / none (decided
+        on the host); else a ``[B]`` bool tensor."""
         if not self.policy.sparse:
             return False
-        return self._seen >= self.read.sparse_threshold or OFFLOAD in self.stores.tiers
+        if OFFLOAD in self.stores.tiers:
+            return True
+        threshold, (lo, hi) = self.read.sparse_threshold, self._start_bounds
+        if self._seen - lo < threshold:  # the row with the most real positions (lo: none has one yet -> negative)
+            return False
+        if not self._rows_open and self._seen - hi >= threshold:  # the row with the fewest
+            return True
+        return (self._seen - self.row_start >= threshold) & ~self._row_open
 
     # ------------------------------------------------------------------ length, crop, batch operations
     def min_evicted(self) -> int:
@@ -349,7 +371,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
             self._min_evicted = int(self.evicted.min())
             self.row_start = self.row_start.index_select(0, index)
             self._row_open = self._row_open.index_select(0, index)
-            self._rows_open = bool(self._row_open.any())
+            self._read_rows()
             self._last_qpos = self._fresh_kv = None
             self._index_pos = None if self._index_pos is None else self._index_pos.index_select(0, index)
 

@@ -3,8 +3,10 @@
 ``PiKVCache(..., max_cache_len=N)`` builds these layers (as ``StaticCache`` reserves its tensors): every run gets
 its pages for ``N`` tokens at the first update and never moves, the count of tokens seen is a tensor (so compiled
 code does not bake it in), and the frame ``get_mask_sizes`` reports is the reserved one. Appends past the
-reservation are refused before anything is stored, in eager code (the check reads the count back); compiled or
-captured code skips the check (the reservation bounds what it may append).
+reservation are refused before anything is stored, in eager code (the check reads the count back). Compiled or
+captured code cannot read it back: its appends continue past ``N`` positions (rows with left padding have room to
+spare), a run that outgrows its reservation overwrites its own last page, never another row's, and from then on that
+row's attention output is NaN; the next eager forward raises ``ValueError`` (the count of positions is past ``N``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class StaticPiKVLayer(PiKVLayer):
         if _traced():
             return
         seen = self.seen
+        if seen > self.max_cache_len:
+            raise ValueError(
+                f"layer {self.layer_idx}: compiled steps stored {seen} positions, past max_cache_len="
+                f"{self.max_cache_len} (rows that outgrew their reserved pages overwrote their own and decoded NaN); "
+                "reset() the PiKVCache, or build it with a larger max_cache_len"
+            )
         if seen + q > self.max_cache_len:
             raise ValueError(
                 f"layer {self.layer_idx}: {seen + q} tokens ({seen} stored + {q} new) exceed "
@@ -59,9 +67,30 @@ class StaticPiKVLayer(PiKVLayer):
     def _set_seen(self, value: int) -> None:
         self._seen_t.fill_(value)
 
-    def _sparse_due(self) -> bool:
+    def _sparse_rows(self) -> bool:
         # the count of tokens seen is a tensor here: the reservation decides, so a compiled step has one branch
         return self.policy.sparse and self.max_cache_len >= self.read.sparse_threshold
+
+    def attend(
+        self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
+    ) -> torch.Tensor:
+        out = super().attend(query, scale, sliding_window, sinks)
+        if not _traced():  # eager appends never outgrow the reservation (refused above)
+            return out
+        return out.masked_fill(self._spilled().view(-1, 1, 1, 1), float("nan"))
+
+    def _spilled(self) -> torch.Tensor:
+        """``[B]`` bool: rows with a run that outgrew its reservation (compiled code) and overwrote its own pages."""
+        t = self.store.table
+        return (t.n_pages > t.cap).any(-1)
+
+    def crop(self, max_length: int) -> None:
+        if self.store is not None and bool(self._spilled().any()):
+            raise ValueError(
+                f"layer {self.layer_idx}: compiled steps went past max_cache_len={self.max_cache_len} and rows "
+                "overwrote their own pages; crop cannot restore them: reset() the PiKVCache"
+            )
+        super().crop(max_length)
 
     def kv_length(self) -> int:
         """The reserved frame (as ``StaticCache`` reports its maximum length)."""

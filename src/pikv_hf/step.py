@@ -14,9 +14,10 @@ distributed layer. One call
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from pikv_hf.attention import Partial, TorchBackend, merge_partials, sink_partial
 from pikv_hf.read import ExactRead, ReadPlan, ReadStats, sink_or_recent
@@ -47,6 +48,21 @@ class Query:
         return self.query.reshape(b, heads, hq // heads * q, dk)
 
 
+def whole_rows(plan: ReadPlan, store: PagedStore, rows: torch.Tensor) -> ReadPlan:
+    """``plan`` with the batch rows ``rows`` (``[B]`` bool) reading every page of ``store``'s frame in full (what an
+    exact read reads), widened to the frame if it is narrower (a Quest budget)."""
+    if plan.exact:
+        return plan
+    w = store.table.width()
+    extra = w - plan.pages.shape[-1]
+    every = rows.view(-1, 1, 1)
+    frame = torch.arange(w, device=store.device)
+    frame = torch.where(frame < store.table.cap.unsqueeze(-1), frame, -1)  # the frame runs past shorter runs
+    pages = torch.where(every, frame, F.pad(plan.pages, (0, extra), value=-1))
+    full = None if plan.page_full is None else F.pad(plan.page_full, (0, extra), value=False) | every
+    return replace(plan, pages=pages, page_full=full)
+
+
 class DecodeStep:
     """Plan, attend, merge and record for one layer (module docstring). ``policy`` and ``stats`` are the layer's;
     ``backend`` may be shared by the layers of a cache."""
@@ -54,17 +70,26 @@ class DecodeStep:
     def __init__(self, policy: ExactRead, backend: TorchBackend, groups: int = 1, remote: Remote | None = None):
         self.policy, self.backend, self.groups, self.remote = policy, backend, groups, remote
         self.stats = ReadStats()
-        self._steps = 0  # decode steps on the host, for the reward schedule of learning selectors
+        self._steps = 0  # sparse decode steps of a learning selector (its reward schedule), on the host
 
     def __call__(
-        self, group: StoreGroup, x: Query, sparse: bool = False, record: bool = False, mass_of: PagedStore | None = None
+        self,
+        group: StoreGroup,
+        x: Query,
+        sparse: bool = False,
+        record: bool = False,
+        mass_of: PagedStore | None = None,
+        dense_rows: torch.Tensor | None = None,
     ) -> Partial:
-        """Attention of ``x`` over every store of ``group``: under the read policy when ``sparse``, else exactly;
-        ``record`` adds the read to ``stats``; ``mass_of`` (a store of the group) also returns the attention mass of
-        its slots (``Partial.mass`` / ``slots``)."""
+        """Attention of ``x`` over every store of ``group``: under the read policy when ``sparse`` (except the batch
+        rows where ``dense_rows``, ``[B]`` bool, is True: they read every page), else exactly; ``record`` adds the
+        read to ``stats``; ``mass_of`` (a store of the group) also returns the attention mass of its slots
+        (``Partial.mass`` / ``slots``)."""
         stores = group.stores
         if sparse:
             plans = self.policy.plans(group, x.grouped(group.heads), x.scale, x.qpos[-1:], x.row_start)
+            if dense_rows is not None:
+                plans = [whole_rows(p, s, dense_rows.to(s.device)) for p, s in zip(plans, stores, strict=True)]
         else:
             plans = [ReadPlan() for _ in stores]
         one = len(stores) == 1 and self.remote is None
@@ -130,9 +155,11 @@ class DecodeStep:
     def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan, sparse: bool) -> None:
         """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning
         selector's reward, given for sparse reads only): the only part of a step that reads back to the host."""
-        self._steps += 1
         cfg = self.policy.config
-        learn = sparse and self.policy.learns() and self._steps % cfg.reward_every == 0
+        learn = False
+        if sparse and self.policy.learns():  # counted only here: compiled steps (no learning) mutate no Python state
+            self._steps += 1
+            learn = self._steps % cfg.reward_every == 0
         if not (cfg.measure_recall or learn):
             return
         recall = self.recall(group, x, plan)

@@ -180,7 +180,8 @@ class PagedStore:
             own shards); the others take no slot and stay out of this store's shard statistics. Default: all.
         grow : bool
             Grow the runs that need more pages. False: the capacity reserved beforehand (:meth:`reserve`) must
-            suffice; nothing is checked (no host synchronisation).
+            suffice; nothing is checked (no host synchronisation), and a run past its capacity writes into its own
+            last page (never another run's; ``table.n_pages`` then exceeds ``table.cap``).
 
         Returns
         -------
@@ -192,7 +193,10 @@ class PagedStore:
         if grow:
             self._reserve(a.need, q)
         self.table.commit(a)
-        slot = (self.table.start.unsqueeze(-1) + a.local_page) * self.page_size + a.offset
+        local = a.local_page
+        if not grow:  # saturate: a run past its reservation (compiled code, unchecked) overwrites its own last page
+            local = torch.minimum(local, self.table.cap.unsqueeze(-1) - 1)
+        slot = (self.table.start.unsqueeze(-1) + local) * self.page_size + a.offset
         pos_one = pos.reshape(-1)[0] if q == 1 and present is None else None
         flat_tokens = (
             keys.reshape(-1, self.k_dim),

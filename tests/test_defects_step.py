@@ -1,0 +1,155 @@
+"""Decode-step defects of issue 33: ``sparse_from`` per row (not counting left padding), a failed forward leaves the
+cache in step, compiled steps past ``max_cache_len`` corrupt no other row, compiled sparse steps never recompile."""
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from helpers import DynamicCache, prompt
+
+from pikv_hf import PiKVCache
+from pikv_hf.tiny import tiny_model
+
+logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+
+ROW_LENGTHS = (30, 22, 15)
+DECODE_TOKENS = (7, 19, 33, 41, 58, 77)
+
+
+def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, longest - len(r) :], mask[i, longest - len(r) :] = r, 1
+    return ids, mask
+
+
+def _decode(model, cache, rows: list[torch.Tensor]) -> torch.Tensor:
+    """``[steps, B, V]`` logits of the fixed decode tokens after a left-padded prefill of ``rows``."""
+    ids, mask = _left_padded(rows)
+    pos, out = (mask.cumsum(-1) - 1).clamp(min=0), []
+    with torch.no_grad():
+        model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
+        for t in DECODE_TOKENS:
+            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], -1), pos[:, -1:] + 1
+            step = torch.full((len(rows), 1), t)
+            out.append(model(step, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1])
+    return torch.stack(out)
+
+
+SPARSE_FROM_READS = {
+    "routed": dict(attention="routed", top_k_shards=2, n_sink=2, window=4),
+    "quest": dict(attention="quest", read_fraction=0.25, n_sink=2, window=4),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(SPARSE_FROM_READS))
+def test_sparse_from_counts_each_rows_real_tokens(mode):
+    # rows of 30, 22 and 15 real tokens, left-padded into one batch, sparse_from=25: each row reads as it does alone
+    threshold = 25
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(3, 256, (n,), generator=g) for n in ROW_LENGTHS]
+    read = dict(router="round_robin", page_size=4, sparse_from=threshold, **SPARSE_FROM_READS[mode])
+    batch = PiKVCache(model, **read)
+    in_batch = _decode(model, batch, rows)
+    for i, row in enumerate(rows):
+        alone = _decode(model, PiKVCache(model, **read), [row])[:, 0]
+        assert (in_batch[:, i] - alone).abs().max() < 1e-5, f"row {i}"
+        dense = _decode(ref, DynamicCache(), [row])[:, 0]
+        # a row reads densely (equal to DynamicCache) until it has seen `threshold` positions of its own
+        below = [s for s in range(len(DECODE_TOKENS)) if len(row) + s + 1 < threshold]
+        if below:
+            assert (in_batch[below, i] - dense[below]).abs().max() < 1e-4, f"row {i}"
+        if len(below) < len(DECODE_TOKENS):  # the sparse read is a real approximation here, not the dense one
+            assert (in_batch[len(below) :, i] - dense[len(below) :]).abs().max() > 1e-3, f"row {i}"
+    assert len(below) == len(DECODE_TOKENS)  # the shortest row never reached the threshold
+    stats = batch.routing_stats()["overall"]
+    assert stats["sparse_steps"] == len(DECODE_TOKENS) * len(batch.layers)  # row 0 reads sparsely at every step
+
+
+def _fail_at_layer(model, index: int):
+    def boom(*_):
+        raise RuntimeError("simulated failure in a decoder layer")
+
+    return model.model.layers[index].register_forward_pre_hook(boom)
+
+
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+def test_failed_forward_leaves_the_cache_as_before(failing):
+    # layer 2 of 3 raises after layers 0-1 stored the forward's tokens: they are dropped again, nothing the failed
+    # forward made stays referenced, and the next forwards equal DynamicCache's run without the failure
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ids, cache, dyn = prompt(30), PiKVCache(model, page_size=4), DynamicCache()
+    stored = []  # weak references to the key / value states of the failed forward
+    update = cache.update
+
+    def watch(k, v, layer_idx, cache_kwargs=None):
+        stored.extend([weakref.ref(k), weakref.ref(v)])
+        return update(k, v, layer_idx, cache_kwargs)
+
+    with torch.no_grad():
+        if failing == "decode":
+            model(ids, past_key_values=cache)
+        failed = ids if failing == "prefill" else torch.tensor([[5]])
+        hook, cache.update = _fail_at_layer(model, 2), watch
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            model(failed, past_key_values=cache)
+        hook.remove()
+        del cache.update
+        assert len(stored) == 4  # layers 0 and 1 stored
+        gc.collect()
+        assert all(r() is None for r in stored)
+        assert [layer.get_seq_length() for layer in cache.layers] == [0 if failing == "prefill" else 30] * 3
+        if failing == "prefill":
+            model(ids, past_key_values=cache)
+        ref(ids, past_key_values=dyn)
+        for i in range(4):
+            token, pos = torch.tensor([[40 + i]]), torch.tensor([30 + i])
+            got = model(token, past_key_values=cache, cache_position=pos).logits
+            want = ref(token, past_key_values=dyn, cache_position=pos).logits
+            assert (got - want).abs().max() < 1e-4
+
+
+def test_compiled_steps_past_max_cache_len_corrupt_no_other_row():
+    # runs reserve ceil(8 / 4) + 2 shards = 4 pages (16 slots) per (row, KV head); row 1 has 6 pads, so its runs fill
+    # 6 positions later than row 0's. Past max_cache_len the compiled steps go on: row 0's runs spill at position 16
+    # into their own last page (its logits turn NaN), row 1 stays equal to DynamicCache's until its own runs are full
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ids = prompt(8, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6], ids[1, :6] = 0, 0
+    cache = PiKVCache(model, page_size=4, num_shards=2, max_cache_len=8)
+    dyn = DynamicCache()
+    nan_from = None
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        ref(ids, attention_mask=mask, past_key_values=dyn)
+        dynamo.reset()
+        step = torch.compile(
+            lambda t, p: model(t, past_key_values=cache, cache_position=p).logits, backend="aot_eager", fullgraph=True
+        )
+        for pos in range(8, 22):  # row 1's runs hold 16 of its 2 + 14 real tokens
+            token = torch.tensor([[7 + pos], [30 + pos]])
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            got = step(token, torch.tensor([pos]))[:, -1]
+            want = ref(token, past_key_values=dyn, cache_position=torch.tensor([pos]), attention_mask=mask).logits
+            assert (got[1] - want[1, -1]).abs().max() < 1e-4, pos
+            if nan_from is None and bool(got[0].isnan().all()):
+                nan_from = pos
+            if nan_from is None:
+                assert (got[0] - want[0, -1]).abs().max() < 1e-4, pos
+            else:
+                assert bool(got[0].isnan().all()), pos
+        assert nan_from == 16
+        with pytest.raises(ValueError, match="max_cache_len=8"):
+            model(torch.tensor([[5], [6]]), past_key_values=cache, cache_position=torch.tensor([22]))
+        with pytest.raises(ValueError, match="reset"):
+            cache.crop(8)
+        cache.reset()  # usable again
+        model(ids, attention_mask=mask[:, :8], past_key_values=cache)
+        assert cache.get_seq_length() == 8
