@@ -190,7 +190,7 @@ def test_decode_step_compiles_without_graph_breaks(read):
             assert (got - want).abs().max() < 1e-5
     assert cache.get_seq_length() == reference.get_seq_length() == 24
     if read != "exact":  # the compiled steps read sparsely, and counted it
-        assert cache.routing_stats()["overall"]["sparse_steps"] == 4 * len(cache.layers)
+        assert cache.routing_stats()["overall"]["sparse_layer_steps"] == 4 * len(cache.layers)
 
 
 def test_decode_step_exports_and_runs_on_another_cache():

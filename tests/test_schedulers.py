@@ -309,8 +309,8 @@ def test_offloaded_tokens_are_read_back_and_counted(target, shipped_sparse_from)
             model(prompt(1, seed=step), past_key_values=routed)
     stats = routed.routing_stats()["overall"]
     # far below sparse_from, the layers holding offloaded tokens still read sparsely (no fetch of the whole tier)
-    assert stats["sparse_steps"] == stats["steps"] > 0
-    assert stats["fraction_tokens_attended"] < 1.0 and stats["bytes_fetched_per_step"] > 0
+    assert stats["sparse_layer_steps"] == stats["layer_steps"] > 0
+    assert stats["fraction_tokens_attended"] < 1.0 and stats["bytes_fetched_per_decode_step"] > 0
     # selected shards that held offloaded pages count as misses (what the cache-aware selector penalises)
     assert sum(int(layer.policy.misses.sum()) for layer in routed.layers) > 0
 

@@ -317,13 +317,28 @@ class PiKVCache(ForwardAwareCache):
         return torch.stack([layer.resident_tokens() for layer in self.layers])
 
     def routing_stats(self) -> dict:
-        """Sparse modes: per-layer and overall fraction of KV read, tokens per head, which decode steps read
-        sparsely (``sparse_steps`` of ``steps``) and recall (if measured). The counters live on the device; this
-        reads them back."""
+        """What the decode steps of a routed / Quest cache read (the counters live on the device; this reads them
+        back).
+
+        Returns
+        -------
+        dict
+            ``"per_layer"``: one dict per layer (:meth:`pikv_hf.read.ReadStats.as_dict`: fractions of tokens and
+            pages read, ``kv_read_vs_dense``, ``page_fill``, recall, and counts per *layer*-step: ``layer_steps``,
+            ``sparse_layer_steps``, ``bytes_fetched_per_layer_step``). ``"overall"``: the same over all layers
+            (layer-steps summed), plus ``decode_steps`` (forwards of one new token: the most layer-steps of any
+            layer) and ``bytes_fetched_per_decode_step`` (offloaded bytes one decode step reads back, summed over
+            layers). An ``"exact"`` cache records nothing: steps 0, read fractions 1.0.
+        """
         total = ReadStats()
         for layer in self.layers:
             total = total.merged(layer.read_stats)
-        return {"overall": total.as_dict(), "per_layer": [layer.read_stats.as_dict() for layer in self.layers]}
+        per_layer = [layer.read_stats.as_dict() for layer in self.layers]
+        overall = total.as_dict()
+        decode_steps = max((la["layer_steps"] for la in per_layer), default=0)
+        fetched = total.counts()["bytes_fetched"]
+        overall.update(decode_steps=decode_steps, bytes_fetched_per_decode_step=fetched / max(1, decode_steps))
+        return {"overall": overall, "per_layer": per_layer}
 
     def kv_nbytes(self) -> int:
         """Bytes allocated for keys and values across layers (measured on the tensors held)."""
