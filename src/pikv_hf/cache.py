@@ -141,7 +141,10 @@ class PiKVCache(ForwardAwareCache):
         n_layers = text_config.num_hidden_layers
         read = ReadConfig.build(attention, num_shards=num_shards, num_layers=n_layers, **read_options)
         if router == "expert" and num_experts is None:
-            raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
+            raise ValueError(
+                f"router='expert' needs an MoE model; {type(config).__name__} declares no experts: use "
+                "router='key_cluster' (tokens placed by key similarity) or 'round_robin'"
+            )
         placed = None
         if partition is not None and max_cache_len is not None:
             raise ValueError("max_cache_len (a compileable cache) is not supported with a partition")

@@ -77,7 +77,11 @@ class ReadConfig:
         default=None, metadata={"help": "routed: read ranked shards until this estimated attention mass"}
     )
     sparse_from: int | None = field(
-        default=None, metadata={"help": "routed / quest: dense decode reads below this context (default: measured)"}
+        default=None,
+        metadata={
+            "help": "routed / quest: decode steps read densely until this many positions per row (default: 0, sparse "
+            "from the first step)"
+        },
     )
     measure_recall: bool = False
     reward_every: int = 16
