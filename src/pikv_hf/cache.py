@@ -69,7 +69,7 @@ class PiKVCache(ForwardAwareCache):
         ``DynamicCache``).
     router : str
         Placement router: ``"round_robin"`` (alias ``"hash"``), ``"expert"`` (the model's own MoE routing from
-        the previous MoE layer) or ``"key_cluster"`` (online k-means on keys).
+        the previous MoE layer; MoE models only) or ``"key_cluster"`` (online k-means on keys).
     num_shards : int, optional
         Shards per layer and KV head. Default: the model's number of routed experts, or 8 for a dense model.
     page_size : int
@@ -83,6 +83,11 @@ class PiKVCache(ForwardAwareCache):
         Decode-time reads: ``"exact"`` (default), ``"routed"`` (each query reads only its ``top_k_shards``
         selected shards plus sinks and a recent window) or ``"quest"`` (Quest's per-page selection); a
         ``ReadConfig`` may be given instead.
+    sparse_from : int, optional
+        Routed / Quest: decode steps read every page until a layer has seen this many positions per row (below it a
+        dense read costs less than planning a sparse one). Default: the mode's measured threshold on a CPU
+        (``pikv_hf.config.SPARSE_FROM``: 8192 routed, 4096 Quest); ``0`` reads sparsely from the first step.
+        ``routing_stats()`` counts the steps that read sparsely (``sparse_layer_steps``).
     max_cache_len : int, optional
         Reserve pages for this many tokens per (row, KV head) at the first update and never move them: the exact
         decode step then runs without host synchronisation, so ``torch.compile`` captures it in one graph and the
@@ -95,14 +100,15 @@ class PiKVCache(ForwardAwareCache):
         ``"auto"`` (default: the fused Triton kernels for a cache on CUDA when triton is installed, the torch
         reference otherwise), ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
     **read_options
-        The other ``ReadConfig`` fields (``top_k_shards``, ``selector``, ``selector_kwargs``, ``n_sink``,
-        ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``, ``measure_recall``, ``reward_every``);
-        see ``pikv_hf.config.ReadConfig``.
+        The other ``ReadConfig`` fields (``sparse_from`` above, ``top_k_shards``, ``selector``,
+        ``selector_kwargs``, ``n_sink``, ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``,
+        ``measure_recall``, ``reward_every``); see ``pikv_hf.config.ReadConfig``.
 
     Examples
     --------
-    >>> cache = PiKVCache(model, router="expert")
+    >>> cache = PiKVCache(model)  # exact; router="expert" on an MoE model
     >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    >>> routed = PiKVCache(model, router="key_cluster", attention="routed", top_k_shards=2, sparse_from=0)
     >>> with PiKVCache(model) as cache:  # the model's previous attention is restored on exit
     ...     out = model.generate(**inputs, past_key_values=cache)
     """
