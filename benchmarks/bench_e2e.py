@@ -119,13 +119,13 @@ class Run:
             "kv_bytes": held,
             "offloaded_bytes": offloaded,
             "read_fraction": 1.0,
-            "sparse_steps": 0,
-            "decode_steps": 0,
+            "sparse_layer_steps": 0,
+            "layer_steps": 0,
         }
         if isinstance(self.cache, PiKVCache) and self.cache.read.sparse:
             overall = self.cache.routing_stats()["overall"]
-            out["read_fraction"] = overall["fraction_tokens_attended"] if overall["sparse_steps"] else 1.0
-            out["sparse_steps"], out["decode_steps"] = overall["sparse_steps"], overall["steps"]
+            out["read_fraction"] = overall["fraction_tokens_attended"] if overall["sparse_layer_steps"] else 1.0
+            out["sparse_layer_steps"], out["layer_steps"] = overall["sparse_layer_steps"], overall["layer_steps"]
         return out
 
 
@@ -154,7 +154,7 @@ def run_point(model, tokenizer, modes: list[str], context: int, batch: int, args
             f"  {name:20s} {r['ms_per_token']:8.1f} ms/token  x{r.get('ms_ratio', 1):.2f}"
             f"  prefill {r['prefill_s']:6.1f} s x{r.get('prefill_ratio', 1):.2f}  KV {r['kv_bytes'] / 2**20:7.1f} MiB"
             f"  read {r['read_fraction']:.3f}"
-            f" ({r['sparse_steps']}/{r['decode_steps']} sparse)",
+            f" ({r['sparse_layer_steps']}/{r['layer_steps']} layer-steps sparse)",
             flush=True,
         )
     return results

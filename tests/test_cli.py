@@ -1,9 +1,12 @@
 """``pikv-hf demo --tiny`` end to end (its exit code asserts identical outputs and logits within 1e-4), and the
 command line's answer to bad arguments: one ``pikv-hf CMD: error:`` line, exit status 2, nothing run."""
 
+import dataclasses
+
 import pytest
 
 from pikv_hf.cli import main
+from pikv_hf.config import ReadConfig
 
 
 def test_tiny_demo_runs_and_reports_exactness(capsys):
@@ -59,3 +62,84 @@ def test_real_model_demo_answers_the_planted_fact_three_ways(capsys):
     assert [row.split()[0] for row in rows] == ["full", "routed", "quest"]
     full, routed, quest = (float(row.split("MiB")[0].split()[-1]) for row in rows)
     assert routed >= full * 0.95 and quest < 0.4 * full  # routing stores everything; 4-bit pages hold much less
+
+
+def test_eval_expert_router_on_a_dense_model_is_one_error_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["eval", "--suite", "ruler", "--cache", "pikv", "--router", "expert", "--model", "smollm2"]
+    assert main([*args, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        "pikv-hf eval: error: router 'expert' places tokens by the model's MoE routing and model 'smollm2' has no "
+        "experts: use --router key_cluster (placement by key similarity) or round_robin\n"
+    )
+    assert not out.exists()
+
+
+def _tiny_eval(model_dir: str, out, *extra: str) -> list[str]:
+    return ["eval", "--suite", "ruler", "--model", model_dir, "--tasks", "niah_single_number", "--samples", "1",
+            "--length", "512", "--press", "none", "--out", str(out), *extra]  # fmt: skip
+
+
+def test_eval_progress_bar_follows_tqdm_disable_and_a_failed_run_leaves_out_reusable(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fixtures.tiny_assets import save_tiny_model_dir
+
+    from pikv_hf.eval.config import EvalConfig
+    from pikv_hf.eval.results import PREDICTIONS, RUN_CONFIG, prepare_out
+
+    (tmp_path / "tiny").mkdir()
+    model_dir = str(save_tiny_model_dir(tmp_path / "tiny"))
+    out = tmp_path / "run"
+    # a run of another configuration that stopped before its first answer (as one whose model failed to load)
+    prepare_out(EvalConfig(suite="ruler", model=model_dir, presses=["none"], ratios=[0.5], out=str(out), seed=7))
+    assert (out / RUN_CONFIG).is_file() and not (out / PREDICTIONS).exists()
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pikv_hf.cli", *_tiny_eval(model_dir, out)], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "answer" not in proc.stderr and "it/s" not in proc.stderr  # no progress bar
+    assert len((out / PREDICTIONS).read_text().splitlines()) == 1
+    assert json.loads((out / RUN_CONFIG).read_text())["seed"] == 0
+    # once it holds results, another configuration is refused
+    assert main(_tiny_eval(model_dir, out, "--seed", "3")) == 2
+
+
+def test_eval_sparse_from_help_states_what_eval_reads(capsys):
+    from pikv_hf.cli import build_parser
+    from pikv_hf.eval.config import EvalConfig
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "until this many positions per row (default: 0, sparse from the first step)" in help_text
+    args = build_parser().parse_args(["eval", "--suite", "ruler", "--cache", "pikv", "--out", "x"])
+    config = EvalConfig(suite="ruler", model="smollm2", presses=["pikv_quest"], ratios=[0.5], out="x", cache="pikv")
+    read = ReadConfig(**ReadConfig.from_arguments(args))
+    for press in ("pikv_quest", "pikv_routed"):
+        assert dataclasses.replace(config, read=read).point_read(press, 0.5, 8).sparse_threshold == 0
+
+
+@pytest.mark.parametrize("option", [["--router", "expert"], ["--arch", "llama"], ["--new-tokens", "8"]])
+def test_demo_tiny_options_without_tiny_are_refused(capsys, option):
+    assert main(["demo", *option]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"pikv-hf demo: error: {option[0]}: option(s) of the tiny model only (add --tiny); the real-model demo places "
+        "its routed way's tokens with key_cluster\n"
+    )
+
+
+def test_demo_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for shown in ("document length in tokens (default: 3000)", "(default: quest)", "(default: 0.5)",
+                  "tiny: placement router (default: expert)", "tiny: prompt tokens (default: 256)"):  # fmt: skip
+        assert shown in help_text
+    assert "default: None" not in help_text

@@ -38,7 +38,8 @@ def test_expert_router_needs_a_model_and_an_moe():
     with pytest.raises(ValueError, match="router='expert' needs the model"):
         PiKVCache(tiny_config("mixtral"), router="expert")
     _, dense = model_pair("llama")
-    with pytest.raises(ValueError, match="router='expert' needs an MoE model"):
+    suggestion = "router='expert' needs an MoE model; LlamaConfig declares no experts: use router='key_cluster'"
+    with pytest.raises(ValueError, match=f"{suggestion} .* or 'round_robin'"):
         PiKVCache(dense, router="expert")
     with pytest.raises(TypeError, match="model must be a transformers model or config"):
         PiKVCache("mixtral")

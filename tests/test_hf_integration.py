@@ -203,7 +203,7 @@ def test_decode_step_compiles_once_without_graph_breaks(read):
             assert (got - want).abs().max() < 1e-5
     assert cache.get_seq_length() == reference.get_seq_length() == 20 + COMPILED_STEPS
     if read in ("routed", "quest"):  # the compiled steps read sparsely, and counted it
-        assert cache.routing_stats()["overall"]["sparse_steps"] == COMPILED_STEPS * len(cache.layers)
+        assert cache.routing_stats()["overall"]["sparse_layer_steps"] == COMPILED_STEPS * len(cache.layers)
 
 
 def test_decode_step_exports_and_runs_on_another_cache():
@@ -225,3 +225,19 @@ def test_decode_step_exports_and_runs_on_another_cache():
         got = program.module()(torch.tensor([[7]]), torch.tensor([20]), caches[1])
         want = model(torch.tensor([[7]]), past_key_values=caches[2], cache_position=torch.tensor([20])).logits
     assert (got - want).abs().max() < 1e-5 and caches[1].get_seq_length() == 21
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama"])
+def test_generate_with_max_cache_len_equals_dynamic_and_static_caches(arch):
+    """generate hands a compileable cache prepared masks (on GPT-OSS, sliding and full layers: a dict of them)."""
+    ref, model = tiny_model(arch, seed=0), tiny_model(arch, seed=0)
+    ids = prompt(30, batch=2, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # row 1: left padding
+    kw = dict(attention_mask=mask, max_new_tokens=6)
+    with torch.no_grad():
+        dynamic = generate(ref, ids, DynamicCache(), **kw)
+        static = generate(ref, ids, StaticCache(config=ref.config, max_cache_len=48), **kw)
+        got = generate(model, ids, PiKVCache(model, page_size=4, max_cache_len=48), **kw)
+    assert torch.equal(got.sequences, dynamic.sequences) and torch.equal(got.sequences, static.sequences)
+    assert max_logit_diff(got.logits, dynamic.logits) < TOL

@@ -87,7 +87,7 @@ def test_quest_ratio_is_its_first_argument_and_wins_over_the_cache_mode():
             model(torch.tensor([[token]]), past_key_values=cache)
     assert cache.read.read_fraction == 0.25
     overall = cache.routing_stats()["overall"]
-    assert overall["sparse_steps"] > 0 and overall["fraction_pages_read"] <= 0.25 + 1 / 8
+    assert overall["sparse_layer_steps"] > 0 and overall["fraction_pages_read"] <= 0.25 + 1 / 8
 
 
 def test_duo_attention_takes_what_calibrate_heads_returns():
@@ -159,7 +159,7 @@ def test_sparse_steps_of_an_eager_model_compute_no_dense_weights(attention, monk
         for token in (5, 6, 7):
             model(torch.tensor([[token]]), past_key_values=cache)
         overall = cache.routing_stats()["overall"]
-        assert len(calls) == len(cache.layers) and overall["sparse_steps"] > 0 and overall["dense_passes"] == 0
+        assert len(calls) == len(cache.layers) and overall["sparse_layer_steps"] > 0 and overall["dense_passes"] == 0
         model(torch.tensor([[8]]), past_key_values=cache, output_attentions=True)  # asked for: computed, counted
     assert cache.routing_stats()["overall"]["dense_passes"] == len(cache.layers)
 

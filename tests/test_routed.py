@@ -8,7 +8,7 @@ from helpers import DynamicCache, generate, max_logit_diff, model_pair, pikv, pr
 
 from pikv_hf import PiKVCache
 from pikv_hf.routing import SELECTORS
-from pikv_hf.tiny import tiny_config
+from pikv_hf.tiny import tiny_config, tiny_model
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,8 @@ def test_all_shards_selected_equals_exact_mode(arch, router, selector):
     assert torch.equal(out_ref.sequences, out.sequences)
     assert max_logit_diff(out_ref.logits, out.logits) < 1e-5
     stats = cache.routing_stats()["overall"]
-    assert stats["steps"] == 7 * len(cache.layers) and stats["fraction_pages_read"] == 1.0
+    assert stats["layer_steps"] == 7 * len(cache.layers) and stats["decode_steps"] == 7
+    assert stats["fraction_pages_read"] == 1.0
 
 
 def _shards(model):
@@ -175,12 +176,12 @@ def test_below_sparse_from_steps_read_densely_and_are_counted(attention, shipped
     out = generate(model, ids, default)
     assert torch.equal(out_ref.sequences, out.sequences) and max_logit_diff(out_ref.logits, out.logits) < 1e-5
     overall = default.routing_stats()["overall"]
-    assert overall["steps"] == 7 * len(default.layers) and overall["sparse_steps"] == 0
+    assert overall["layer_steps"] == 7 * len(default.layers) and overall["sparse_layer_steps"] == 0
     assert overall["fraction_tokens_attended"] == 1.0
     from_46 = pikv(model, "key_cluster", attention=attention, n_sink=1, window=2, sparse_from=46, **sparse)
     generate(model, ids, from_46)
     overall = from_46.routing_stats()["overall"]
-    assert overall["sparse_steps"] == 3 * len(from_46.layers)  # the steps that see 46, 47, 48 positions
+    assert overall["sparse_layer_steps"] == 3 * len(from_46.layers)  # the steps that see 46, 47, 48 positions
     assert overall["fraction_tokens_attended"] < 1.0
 
 
@@ -225,7 +226,7 @@ def test_set_attention_switches_a_filled_cache_and_rejects_bad_input_first():
         assert all(layer.policy.selector.score == "bound" for layer in cache.layers)
         model(prompt(1, seed=3), past_key_values=cache)
     stats = cache.routing_stats()
-    assert stats["overall"]["steps"] == len(cache.layers) == len(stats["per_layer"])
+    assert stats["overall"]["layer_steps"] == len(cache.layers) == len(stats["per_layer"])
     assert stats["overall"]["fraction_tokens_attended"] < 0.5
 
 
@@ -294,3 +295,55 @@ def test_fork_is_independent_and_decodes_like_the_original():
         again.crop(30)
         assert torch.equal(model(nxt, past_key_values=again).logits, exact)
     assert not torch.allclose(routed, exact, atol=1e-6)
+
+
+def test_routing_stats_name_layer_steps_and_decode_steps():
+    """Overall figures a user reads per decode step are per decode step (summed over layers); per-layer ones per
+    layer-step. Reference: the offload tier's pages (every routed read of all shards fetches all of them)."""
+    from pikv_hf.presses import FlexGenPress
+
+    model = tiny_model("llama", seed=0)
+    cache = PiKVCache(model, page_size=4, attention="routed", top_k_shards=8, n_sink=2, window=4, sparse_from=0)
+    steps = 5
+    with torch.no_grad():
+        with FlexGenPress(0.5)(model):
+            out = model(prompt(64, seed=3), past_key_values=cache)
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    per_layer_bytes = []
+    for layer in cache.layers:
+        tier = layer.tiers["offload"]
+        page_bytes = tier.pool.nbytes(tier.kv_fields) // tier.pool.num_pages
+        per_layer_bytes.append(int(tier.table.n_pages.sum()) * page_bytes)
+    assert sum(per_layer_bytes) == cache.offloaded_nbytes() > 0
+    stats = cache.routing_stats()
+    overall = stats["overall"]
+    assert overall["decode_steps"] == steps and overall["layer_steps"] == steps * len(cache.layers)
+    assert overall["bytes_fetched_per_decode_step"] == sum(per_layer_bytes)
+    assert overall["bytes_fetched_per_layer_step"] == sum(per_layer_bytes) / len(cache.layers)
+    for layer_stats, want in zip(stats["per_layer"], per_layer_bytes, strict=True):
+        assert layer_stats["layer_steps"] == steps and layer_stats["bytes_fetched_per_layer_step"] == want
+
+
+def test_exact_and_many_shard_reads_report_at_most_what_is_stored():
+    """An exact cache reads everything (fractions 1.0). With 64 shards over 41 tokens most page slots are empty: a
+    read of every shard moves all stored slots (``kv_read_vs_dense`` 1.0, not slots over tokens) and ``page_fill`` is
+    the stored tokens over the stored pages' slots."""
+    model = tiny_model("llama", seed=0)
+    exact = PiKVCache(model, page_size=4)
+    every = PiKVCache(
+        model, "key_cluster", page_size=4, num_shards=64, attention="routed", top_k_shards=64, sparse_from=0
+    )
+    with torch.no_grad():
+        for cache in (exact, every):
+            model(prompt(40), past_key_values=cache)
+            model(prompt(1, seed=2), past_key_values=cache)
+    overall = exact.routing_stats()["overall"]
+    assert overall["decode_steps"] == 0
+    assert overall["fraction_tokens_attended"] == overall["fraction_pages_read"] == overall["kv_read_vs_dense"] == 1.0
+    overall = every.routing_stats()["overall"]
+    assert overall["decode_steps"] == 1 and overall["kv_read_vs_dense"] == overall["fraction_tokens_attended"] == 1.0
+    tokens = sum(int(la.store.stats.count.sum()) for la in every.layers)
+    slots = sum(int(la.store.table.n_pages.sum()) * la.store.page_size for la in every.layers)
+    assert tokens == 41 * 2 * len(every.layers) and overall["page_fill"] == pytest.approx(tokens / slots)
+    assert overall["page_fill"] < 0.5

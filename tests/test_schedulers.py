@@ -2,11 +2,12 @@
 on tiny Mixtral, Qwen3-MoE, OLMoE and Llama; kept tokens against independent computations of each score."""
 
 import math
+import warnings
 
 import kvpress
 import pytest
 import torch
-from helpers import DynamicCache, byte_tokenizer, model_pair, prompt
+from helpers import DynamicCache, byte_tokenizer, generate, max_logit_diff, model_pair, prompt
 from kvpress.utils import compute_n_kept
 from transformers import AttentionInterface, pipeline
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -309,8 +310,8 @@ def test_offloaded_tokens_are_read_back_and_counted(target, shipped_sparse_from)
             model(prompt(1, seed=step), past_key_values=routed)
     stats = routed.routing_stats()["overall"]
     # far below sparse_from, the layers holding offloaded tokens still read sparsely (no fetch of the whole tier)
-    assert stats["sparse_steps"] == stats["steps"] > 0
-    assert stats["fraction_tokens_attended"] < 1.0 and stats["bytes_fetched_per_step"] > 0
+    assert stats["sparse_layer_steps"] == stats["layer_steps"] > 0
+    assert stats["fraction_tokens_attended"] < 1.0 and stats["bytes_fetched_per_decode_step"] > 0
     # selected shards that held offloaded pages count as misses (what the cache-aware selector penalises)
     assert sum(int(layer.policy.misses.sum()) for layer in routed.layers) > 0
 
@@ -342,3 +343,24 @@ def test_unsupported_model_is_refused_before_the_cache_changes():
         with H2OPress(0.5)(model):
             model(prompt(12), past_key_values=cache)
     assert cache.get_seq_length() == 0 and math.isclose(cache.kv_nbytes(), 0)
+
+
+def test_quest_press_below_sparse_from_warns_and_reads_densely(shipped_sparse_from):
+    """Below the cache's ``sparse_from`` (shipped: 4096) a QuestPress on a PiKVCache reads every page: the output is
+    the uncompressed cache's and the press says so, once, naming ``sparse_from``; with ``sparse_from=0`` it applies
+    (the output is QuestPress's on a DynamicCache) and says nothing."""
+    ref, model = model_pair("llama")
+    press = QuestPress(compression_ratio=0.75, page_size=PAGE, n_sink=1, window=2)
+    ids = prompt(T, seed=3)
+    plain = generate(model, ids, PiKVCache(model, page_size=PAGE), max_new_tokens=NEW).logits
+    with press(ref):
+        quest = generate(ref, ids, DynamicCache(), max_new_tokens=NEW).logits
+    assert max_logit_diff(plain, quest) > 1e-3  # the press changes the logits where it applies
+    with pytest.warns(UserWarning, match="sparse_from=4096 positions") as caught, press(model):
+        dense = generate(model, ids, PiKVCache(model, page_size=PAGE), max_new_tokens=NEW).logits
+    assert max_logit_diff(dense, plain) < 1e-5
+    assert sum("QuestPress" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings(), press(model):
+        warnings.simplefilter("error")
+        sparse = generate(model, ids, PiKVCache(model, page_size=PAGE, sparse_from=0), max_new_tokens=NEW).logits
+    assert max_logit_diff(sparse, quest) < 1e-5

@@ -56,7 +56,7 @@ def series_table(rec: Recorder, path: str, model: str, threads: int, batch: int)
     last_i, last = points[-1]
     modes = [m for m in MODE_TEXT if m in last["results"]]
     header = ["way", *(f"{p['context']}: ms/token (x Dynamic)" for _, p in points)]
-    header += [f"{last['context']}: prefill x Dynamic", "KV MiB", "read", "sparse steps"]
+    header += [f"{last['context']}: prefill x Dynamic", "KV MiB", "read", "sparse layer-steps"]
     rows = []
     for mode in modes:
         cells = [MODE_TEXT[mode]]
@@ -68,8 +68,11 @@ def series_table(rec: Recorder, path: str, model: str, threads: int, batch: int)
         kv = rec.fig("mib", at(path, r + "kv_bytes"))
         if offloaded:
             kv += f" (+{rec.fig('mib', at(path, r + 'offloaded_bytes'))} offloaded)"
-        steps = last["results"][mode]["decode_steps"]
-        sparse = f"{rec.fig('int', at(path, r + 'sparse_steps'))} / {steps}" if steps else "-"
+        res = last["results"][mode]
+        new = "layer_steps" in res  # results measured before the layer-step names called them decode / sparse steps
+        steps = res["layer_steps" if new else "decode_steps"]
+        sparse_key = "sparse_layer_steps" if new else "sparse_steps"
+        sparse = f"{rec.fig('int', at(path, r + sparse_key))} / {steps}" if steps else "-"
         read = rec.fig("r3", at(path, r + "read_fraction"))
         cells += [rec.fig("r2", at(path, r + "prefill_ratio")), kv, read, sparse]
         rows.append(cells)

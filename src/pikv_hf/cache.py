@@ -69,7 +69,7 @@ class PiKVCache(ForwardAwareCache):
         ``DynamicCache``).
     router : str
         Placement router: ``"round_robin"`` (alias ``"hash"``), ``"expert"`` (the model's own MoE routing from
-        the previous MoE layer) or ``"key_cluster"`` (online k-means on keys).
+        the previous MoE layer; MoE models only) or ``"key_cluster"`` (online k-means on keys).
     num_shards : int, optional
         Shards per layer and KV head. Default: the model's number of routed experts, or 8 for a dense model.
     page_size : int
@@ -83,6 +83,11 @@ class PiKVCache(ForwardAwareCache):
         Decode-time reads: ``"exact"`` (default), ``"routed"`` (each query reads only its ``top_k_shards``
         selected shards plus sinks and a recent window) or ``"quest"`` (Quest's per-page selection); a
         ``ReadConfig`` may be given instead.
+    sparse_from : int, optional
+        Routed / Quest: decode steps read every page until a layer has seen this many positions per row (below it a
+        dense read costs less than planning a sparse one). Default: the mode's measured threshold on a CPU
+        (``pikv_hf.config.SPARSE_FROM``: 8192 routed, 4096 Quest); ``0`` reads sparsely from the first step.
+        ``routing_stats()`` counts the steps that read sparsely (``sparse_layer_steps``).
     max_cache_len : int, optional
         Reserve pages for this many tokens per (row, KV head) at the first update and never move them: the exact
         decode step then runs without host synchronisation, so ``torch.compile`` captures it in one graph and the
@@ -95,14 +100,15 @@ class PiKVCache(ForwardAwareCache):
         ``"auto"`` (default: the fused Triton kernels for a cache on CUDA when triton is installed, the torch
         reference otherwise), ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``, for tests).
     **read_options
-        The other ``ReadConfig`` fields (``top_k_shards``, ``selector``, ``selector_kwargs``, ``n_sink``,
-        ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``, ``measure_recall``, ``reward_every``);
-        see ``pikv_hf.config.ReadConfig``.
+        The other ``ReadConfig`` fields (``sparse_from`` above, ``top_k_shards``, ``selector``,
+        ``selector_kwargs``, ``n_sink``, ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``,
+        ``measure_recall``, ``reward_every``); see ``pikv_hf.config.ReadConfig``.
 
     Examples
     --------
-    >>> cache = PiKVCache(model, router="expert")
+    >>> cache = PiKVCache(model)  # exact; router="expert" on an MoE model
     >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    >>> routed = PiKVCache(model, router="key_cluster", attention="routed", top_k_shards=2, sparse_from=0)
     >>> with PiKVCache(model) as cache:  # the model's previous attention is restored on exit
     ...     out = model.generate(**inputs, past_key_values=cache)
     """
@@ -141,7 +147,10 @@ class PiKVCache(ForwardAwareCache):
         n_layers = text_config.num_hidden_layers
         read = ReadConfig.build(attention, num_shards=num_shards, num_layers=n_layers, **read_options)
         if router == "expert" and num_experts is None:
-            raise ValueError(f"router='expert' needs an MoE model; {type(config).__name__} declares no experts")
+            raise ValueError(
+                f"router='expert' needs an MoE model; {type(config).__name__} declares no experts: use "
+                "router='key_cluster' (tokens placed by key similarity) or 'round_robin'"
+            )
         placed = None
         if partition is not None and max_cache_len is not None:
             raise ValueError("max_cache_len (a compileable cache) is not supported with a partition")
@@ -317,13 +326,28 @@ class PiKVCache(ForwardAwareCache):
         return torch.stack([layer.resident_tokens() for layer in self.layers])
 
     def routing_stats(self) -> dict:
-        """Sparse modes: per-layer and overall fraction of KV read, tokens per head, which decode steps read
-        sparsely (``sparse_steps`` of ``steps``) and recall (if measured). The counters live on the device; this
-        reads them back."""
+        """What the decode steps of a routed / Quest cache read (the counters live on the device; this reads them
+        back).
+
+        Returns
+        -------
+        dict
+            ``"per_layer"``: one dict per layer (:meth:`pikv_hf.read.ReadStats.as_dict`: fractions of tokens and
+            pages read, ``kv_read_vs_dense``, ``page_fill``, recall, and counts per *layer*-step: ``layer_steps``,
+            ``sparse_layer_steps``, ``bytes_fetched_per_layer_step``). ``"overall"``: the same over all layers
+            (layer-steps summed), plus ``decode_steps`` (forwards of one new token: the most layer-steps of any
+            layer) and ``bytes_fetched_per_decode_step`` (offloaded bytes one decode step reads back, summed over
+            layers). An ``"exact"`` cache records nothing: steps 0, read fractions 1.0.
+        """
         total = ReadStats()
         for layer in self.layers:
             total = total.merged(layer.read_stats)
-        return {"overall": total.as_dict(), "per_layer": [layer.read_stats.as_dict() for layer in self.layers]}
+        per_layer = [layer.read_stats.as_dict() for layer in self.layers]
+        overall = total.as_dict()
+        decode_steps = max((la["layer_steps"] for la in per_layer), default=0)
+        fetched = total.counts()["bytes_fetched"]
+        overall.update(decode_steps=decode_steps, bytes_fetched_per_decode_step=fetched / max(1, decode_steps))
+        return {"overall": overall, "per_layer": per_layer}
 
     def kv_nbytes(self) -> int:
         """Bytes allocated for keys and values across layers (measured on the tensors held)."""

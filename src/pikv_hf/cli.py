@@ -9,6 +9,14 @@ import sys
 from pikv_hf.checks import CommandLineError
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows each option's default, except ``None`` (those options say in their help what they default
+    to)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pikv-hf", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -16,12 +24,20 @@ def build_parser() -> argparse.ArgumentParser:
     from pikv_hf.demo import add_arguments as demo_arguments
 
     demo_arguments(
-        sub.add_parser("demo", help="a planted fact in a long document, answered from full, routed and compressed KV")
+        sub.add_parser(
+            "demo",
+            help="a planted fact in a long document, answered from full, routed and compressed KV",
+            formatter_class=_DefaultsFormatter,
+        )
     )
 
     from pikv_hf.eval import cli as eval_cli
 
-    eval_cli.add_arguments(sub.add_parser("eval", help="quality harness: RULER-style offline suite or LongBench"))
+    eval_cli.add_arguments(
+        sub.add_parser(
+            "eval", help="quality harness: RULER-style offline suite or LongBench", formatter_class=_DefaultsFormatter
+        )
+    )
     return parser
 
 

@@ -57,7 +57,7 @@ class ReadConfig:
         (``pikv_hf.routing.scores.estimated_mass``) reaches this value, in ``(0, 1]``; ``top_k_shards`` is a cap.
     sparse_from : int or None
         Routed / Quest: decode steps read every page until the layer has seen this many positions per row (below it
-        a dense read costs less than planning a sparse one; ``routing_stats`` counts ``sparse_steps``). None: the
+        a dense read costs less than planning a sparse one; ``routing_stats`` counts ``sparse_layer_steps``). None: the
         measured default of the mode (:data:`SPARSE_FROM`: 8192 routed, 4096 Quest); 0: always sparse.
     measure_recall : bool
         Also run exact attention on every routed step and record the fraction of its mass the read tokens hold.
@@ -77,7 +77,11 @@ class ReadConfig:
         default=None, metadata={"help": "routed: read ranked shards until this estimated attention mass"}
     )
     sparse_from: int | None = field(
-        default=None, metadata={"help": "routed / quest: dense decode reads below this context (default: measured)"}
+        default=None,
+        metadata={
+            "help": "routed / quest: decode steps read densely until this many positions per row (default: 0, sparse "
+            "from the first step)"
+        },
     )
     measure_recall: bool = False
     reward_every: int = 16

@@ -39,6 +39,8 @@ SHARDS = 256
 # default then reads densely); the demo reads sparsely to show what it keeps, and says what it costs
 ROUTED_READ = dict(top_k_shards=SHARDS // 4, mass_target=0.97, dense_layers=1, sparse_from=0)
 SCHEDULERS = ("h2o", "quest", "streaming_llm", "lru", "adakv")
+# the tiny model's options (``--tiny``): None on the command line, so that giving one without --tiny is an error
+TINY_DEFAULTS = {"arch": "mixtral", "router": "expert", "prompt_len": 256, "new_tokens": 32}
 MIN_CONTEXT = 512  # the haystack must hold the needle, the question and more than the 128-token full-precision window
 
 
@@ -144,13 +146,26 @@ def demo_device() -> torch.device:
 
 
 def check_demo_args(args: argparse.Namespace) -> None:
-    """Raise :class:`pikv_hf.checks.CommandLineError` naming the first bad option, before any model is loaded."""
+    """Raise :class:`pikv_hf.checks.CommandLineError` naming the first bad option, before any model is loaded; with
+    ``--tiny``, fill in the tiny model's options that were not given (:data:`TINY_DEFAULTS`)."""
+    given = [name for name in TINY_DEFAULTS if getattr(args, name) is not None]
+    if given and not args.tiny:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise CommandLineError(
+            f"{flags}: option(s) of the tiny model only (add --tiny); the real-model demo places its routed way's "
+            "tokens with key_cluster"
+        )
+    if args.tiny:
+        for name, value in TINY_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     try:
         check_int_at_least("context", args.context, MIN_CONTEXT)
         check_int_at_least("sample", args.sample, 0)
         check_ratio("ratio", args.ratio)
-        check_int_at_least("prompt_len", args.prompt_len, 2)
-        check_int_at_least("new_tokens", args.new_tokens, 2)
+        if args.tiny:
+            check_int_at_least("prompt_len", args.prompt_len, 2)
+            check_int_at_least("new_tokens", args.new_tokens, 2)
     except ValueError as err:
         raise CommandLineError(str(err)) from err
 
@@ -226,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pikv_hf.tiny import TINY_ARCHS
 
     parser.add_argument("--moe", action="store_true", help="SmolLM2 upcycled to an 8-expert Mixtral")
-    parser.add_argument("--context", type=int, default=3000, help="document length in tokens (default 3000)")
+    parser.add_argument("--context", type=int, default=3000, help="document length in tokens")
     parser.add_argument("--sample", type=int, default=1, help="which planted fact (sample 1: half-way in)")
     parser.add_argument(
         "--scheduler",
@@ -239,8 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bits", type=int, default=4, choices=(2, 4, 8), help="KIVI bits of the compressed way")
     tiny = parser.add_argument_group("tiny model (--tiny): exactness against DynamicCache on a random MoE")
     tiny.add_argument("--tiny", action="store_true", help="the embedded tiny random model instead (no weights)")
-    tiny.add_argument("--arch", default="mixtral", choices=list(TINY_ARCHS), help="tiny architecture to build")
-    tiny.add_argument("--router", default="expert", choices=PLACEMENTS, help="tiny: placement router")
-    tiny.add_argument("--prompt-len", type=int, default=256, help="tiny: prompt tokens")
-    tiny.add_argument("--new-tokens", type=int, default=32, help="tiny: greedy new tokens")
+    d = TINY_DEFAULTS
+    tiny.add_argument("--arch", choices=list(TINY_ARCHS), help=f"tiny architecture to build (default: {d['arch']})")
+    tiny.add_argument("--router", choices=PLACEMENTS, help=f"tiny: placement router (default: {d['router']})")
+    tiny.add_argument("--prompt-len", type=int, help=f"tiny: prompt tokens (default: {d['prompt_len']})")
+    tiny.add_argument("--new-tokens", type=int, help=f"tiny: greedy new tokens (default: {d['new_tokens']})")
     parser.add_argument("--seed", type=int, default=0)

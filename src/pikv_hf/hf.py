@@ -208,6 +208,8 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
         tokens = argument("input_ids", args, kwargs)
         tokens = argument("inputs_embeds", args, kwargs) if tokens is None else tokens
         mask = argument("attention_mask", args, kwargs)
+        if isinstance(mask, dict):  # several layer types: generate prepares one mask per type (same padding)
+            mask = mask.get("full_attention", next(iter(mask.values()), None))
         replaced = None
         if pikv and isinstance(mask, torch.Tensor) and mask.dim() == 4 and cache.is_compileable:
             # generate prepares a 4-D mask ahead of the forward for compileable caches: the cache masks by stored

@@ -75,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
     Returns
     -------
     int
-        Process exit status (0). Bad arguments, unknown tasks and data that cannot be loaded raise
-        :class:`pikv_hf.checks.CommandLineError` before anything is written.
+        Process exit status (0). Bad arguments, unknown tasks, data that cannot be loaded and an ``--out`` holding
+        another configuration's results raise :class:`pikv_hf.checks.CommandLineError` before anything is written.
     """
     from pikv_hf.checks import CommandLineError
     from pikv_hf.eval.config import EvalConfig, resolve_inputs
+    from pikv_hf.eval.results import prepare_out
     from pikv_hf.eval.runner import run_eval
 
     tasks = args.tasks or ("needle" if args.suite == "ruler" else "all")
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             perplexity_tokens=args.perplexity_tokens,
         )
         inputs = resolve_inputs(config)
+        prepare_out(config)  # an --out of another configuration's results is refused here, as a bad argument
     except (ValueError, RuntimeError) as err:
         raise CommandLineError(str(err)) from err
     metrics = run_eval(config, progress=not args.no_progress, inputs=inputs)

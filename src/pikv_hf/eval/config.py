@@ -100,6 +100,11 @@ class EvalConfig:
             raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+        if self.cache == "pikv" and self.router == "expert" and not self.is_moe():
+            raise ValueError(
+                f"router 'expert' places tokens by the model's MoE routing and model {self.model!r} has no experts: "
+                "use --router key_cluster (placement by key similarity) or round_robin"
+            )
         if not self.presses:
             raise ValueError("press must name at least one press ('none' for no compression)")
         from pikv_hf.eval import compression
@@ -146,6 +151,16 @@ class EvalConfig:
             raise ValueError(f"longbench_dir must be an existing directory, got {self.longbench_dir!r}")
         check_int_at_least("perplexity_context", self.perplexity_context, 0)
         check_int_at_least("perplexity_tokens", self.perplexity_tokens, 2)
+
+    def is_moe(self) -> bool:
+        """Whether the model routes tokens to experts (for a ``PATH`` model: its ``config.json``, read here)."""
+        if self.model in MODEL_NAMES:
+            return self.model == "smollm2-moe"
+        from transformers import AutoConfig
+
+        from pikv_hf.routing.expert import num_experts_of
+
+        return num_experts_of(AutoConfig.from_pretrained(self.model).get_text_config()) is not None
 
     def shards(self) -> int | None:
         """PiKVCache's shard count for the named models (None for a ``PATH`` model without ``num_shards``)."""

@@ -51,19 +51,23 @@ def row_key(press: str, ratio: float, length: int, task: str, index: int) -> str
 
 
 def prepare_out(config: EvalConfig) -> Path:
+    """The output directory, refused when it holds results (predictions or metrics) of another configuration; the
+    run's configuration fingerprint is (re)written when the directory holds no results yet (a run that failed before
+    its first answer leaves nothing that binds the directory)."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     stored = out / RUN_CONFIG
     fingerprint = config.fingerprint()
-    if stored.is_file():
-        previous = json.loads(stored.read_text())
-        if previous != fingerprint:
-            raise ValueError(
-                f"out: {out} holds results of another configuration {previous}; this run is {fingerprint}. "
-                "Use another --out directory."
-            )
-    else:
-        stored.write_text(json.dumps(fingerprint, indent=2) + "\n")
+    previous = json.loads(stored.read_text()) if stored.is_file() else None
+    if previous == fingerprint:
+        return out
+    holds_results = any((out / name).is_file() and (out / name).stat().st_size for name in (PREDICTIONS, METRICS))
+    if previous is not None and holds_results:
+        raise ValueError(
+            f"out: {out} holds results of another configuration {previous}; this run is {fingerprint}. "
+            "Use another --out directory."
+        )
+    stored.write_text(json.dumps(fingerprint, indent=2) + "\n")
     return out
 
 

@@ -181,7 +181,9 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
 
             haystack = Haystack(builder.count)
         heads = _duo_heads(config, model, tokenizer, out)
-        bar = tqdm(total=n_pending, disable=not progress, desc=f"eval {config.suite} {config.model}", unit="answer")
+        # shown unless progress is off; then tqdm's own settings apply (TQDM_DISABLE=1 hides it too)
+        hide = {} if progress else {"disable": True}
+        bar = tqdm(total=n_pending, desc=f"eval {config.suite} {config.model}", unit="answer", **hide)
         with pred_path.open("a", encoding="utf-8") as handle:
             for index, length, task in pending:
                 if config.suite == "ruler":

@@ -20,8 +20,8 @@ class FlexGenPress(PiKVScorerPress):
     ``1 - compression_ratio`` of each (row, KV head)'s tokens.
 
     In a ``PiKVCache`` the older tokens move to the offload tier (``offload``, default ``"cpu"``), nothing is lost,
-    and every decode step reads them back (``routing_stats()["overall"]["bytes_fetched_per_step"]``; a routed read
-    fetches only its selected shards). A ``DynamicCache`` has no second tier: there, as in kvpress, the press drops
+    and every decode step reads them back (``routing_stats()["overall"]["bytes_fetched_per_decode_step"]``; a routed
+    read fetches only its selected shards). A ``DynamicCache`` has no second tier: there, as in kvpress, the press drops
     them (a recent window).
     """
 

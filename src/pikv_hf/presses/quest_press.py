@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -56,7 +57,10 @@ class QuestPress(DecodingPress):
 
     On a ``PiKVCache`` the press sets the cache's read policy to Quest with its own ratio before every layer's
     attention (``attention="quest"``, ``read_fraction = 1 - compression_ratio``, pages of the cache's ``page_size``,
-    bounds kept incrementally), whatever mode the cache was in; the cache keeps that mode after the press. On a
+    bounds kept incrementally), whatever mode the cache was in; the cache keeps that mode after the press. The cache's
+    ``sparse_from`` still applies (default 4096 positions per row, :data:`pikv_hf.config.SPARSE_FROM`: below it a
+    dense read is faster on a CPU): a decode step that reads densely because of it warns once per ``with`` block
+    (``PiKVCache(model, sparse_from=0)`` reads sparsely from the first step). On a
     ``DynamicCache`` a hook before every decode step's attention computes the query, selects pages of ``page_size``
     tokens and replaces the other cached keys, for that step only, by a key no query of the head attends to
     (kvpress's ``search_hyperplane``); the hook after the step puts the real keys back. (kvpress's own head-wise
@@ -94,6 +98,7 @@ class QuestPress(DecodingPress):
         check_int_at_least("n_sink", self.n_sink, 0)
         check_int_at_least("window", self.window, 1)
         self._real_keys: dict[int, torch.Tensor] = {}
+        self._warned = False
 
     def read_config(self, cache: PiKVCache) -> ReadConfig:
         """The cache's read settings with this press's Quest selection (its other options, e.g. ``sparse_from``,
@@ -109,11 +114,29 @@ class QuestPress(DecodingPress):
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs["past_key_values"]
+        if isinstance(cache, PiKVCache):
+            if kwargs["hidden_states"].shape[1] == 1 and self.compression_ratio and not self._warned:
+                self._warn_if_dense(cache.layers[module.layer_idx])
+            return output
         real = self._real_keys.pop(module.layer_idx, None)
         if real is not None:  # the step is over: the real keys go back, followed by the step's new ones
             layer = cache.layers[module.layer_idx]
             layer.keys = torch.cat([real, layer.keys[:, :, real.shape[2] :]], dim=2)
         return output
+
+    def _warn_if_dense(self, layer) -> None:
+        """Warn (once per ``with`` block) when ``layer``'s decode step just read every page because of the cache's
+        ``sparse_from``."""
+        if layer._sparse_due() or layer.get_seq_length() >= layer.read.sparse_threshold:  # sparse, or a dense layer
+            return
+        self._warned = True
+        warnings.warn(
+            f"QuestPress({self.compression_ratio}) has no effect yet: this PiKVCache reads densely until a layer has "
+            f"seen sparse_from={layer.read.sparse_threshold} positions per row (layer {layer.layer_idx} has seen "
+            f"{layer.get_seq_length()}); build it with PiKVCache(model, sparse_from=0) to read sparsely from the first "
+            "decode step",
+            stacklevel=2,
+        )
 
     def _select(self, module: nn.Module, args, kwargs: dict) -> None:
         """Before a layer's attention: on a PiKVCache, its Quest read settings; before a DynamicCache decode step's
@@ -142,6 +165,7 @@ class QuestPress(DecodingPress):
 
     @contextmanager
     def __call__(self, model: nn.Module):
+        self._warned = False
         handles = [
             layer.self_attn.register_forward_pre_hook(self._select, with_kwargs=True) for layer in decoder_layers(model)
         ]

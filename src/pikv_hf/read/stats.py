@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 FIELDS = (
-    "steps",  # decode steps of this layer
+    "steps",  # decode steps of this layer (layer-steps once summed over layers)
     "sparse_steps",  # of those, read under the routed / Quest policy (the others read densely)
     "heads",  # (row, KV head) pairs of the steps
     "tokens_attended",
@@ -76,16 +76,38 @@ class ReadStats:
         return dict(zip(FIELDS, self.total.tolist(), strict=True))
 
     def as_dict(self) -> dict[str, float]:
+        """The figures of :meth:`PiKVCache.routing_stats`; steps are *layer*-steps (one layer's read at one decode
+        step): summed over layers, a decode step of an L-layer model counts L.
+
+        - ``layer_steps``, ``sparse_layer_steps``: decode steps of the layer(s) recorded, and those read under the
+          routed / Quest policy (the others read densely: below ``sparse_from``, or in ``dense_layers``).
+        - ``dense_passes``: dense attention weights computed besides the read (``output_attentions``).
+        - ``selected_tokens_per_head``: tokens read per (row, KV head) and layer-step.
+        - ``fraction_tokens_attended``, ``fraction_pages_read``: tokens read over tokens stored, pages read over
+          pages stored (1.0: a dense read).
+        - ``kv_read_vs_dense``: KV slots a step moves over the slots a dense read of the same pages moves (empty
+          slots of partly filled pages count on both sides), so it never exceeds 1.0. How much more a paged read moves
+          than a contiguous cache (``DynamicCache``) is ``kv_read_vs_dense / page_fill``.
+        - ``page_fill``: tokens stored over page slots stored (few shards of many partly filled pages: a short
+          context over many shards leaves most slots empty).
+        - ``recall``: exact attention's mass on the tokens read (NaN unless measured).
+        - ``bytes_fetched_per_layer_step``: bytes read back from offload tiers per layer-step.
+
+        A cache whose mode is ``"exact"`` records nothing (every step reads everything): its steps count 0 and its
+        read fractions are 1.0.
+        """
         c = self.counts()
+        read = c["steps"] > 0
+        page_size = c["slots_gathered"] / max(1, c["pages_gathered"])  # every page read moves its page's slots
         return {
-            "steps": c["steps"],
-            "sparse_steps": c["sparse_steps"],
+            "layer_steps": c["steps"],
+            "sparse_layer_steps": c["sparse_steps"],
             "dense_passes": c["dense_passes"],
             "selected_tokens_per_head": c["tokens_attended"] / max(1, c["heads"]),
-            "fraction_tokens_attended": c["tokens_attended"] / max(1, c["tokens_stored"]),
-            "fraction_pages_read": c["pages_gathered"] / max(1, c["pages_stored"]),
-            # slots moved (empty slots of partly filled pages included) over the tokens a dense cache would read
-            "kv_read_vs_dense": c["slots_gathered"] / max(1, c["tokens_stored"]),
+            "fraction_tokens_attended": c["tokens_attended"] / max(1, c["tokens_stored"]) if read else 1.0,
+            "fraction_pages_read": c["pages_gathered"] / max(1, c["pages_stored"]) if read else 1.0,
+            "kv_read_vs_dense": c["slots_gathered"] / max(1.0, c["pages_stored"] * page_size) if read else 1.0,
+            "page_fill": c["tokens_stored"] / max(1.0, c["pages_stored"] * page_size) if read else float("nan"),
             "recall": self.recall_sum / self.recall_heads if self.recall_heads else float("nan"),
-            "bytes_fetched_per_step": c["bytes_fetched"] / max(1, c["steps"]),
+            "bytes_fetched_per_layer_step": c["bytes_fetched"] / max(1, c["steps"]),
         }
