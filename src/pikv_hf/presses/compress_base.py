@@ -35,6 +35,7 @@ from pikv_hf.checks import check_field_types, check_int_at_least
 from pikv_hf.codecs.base import Codec, PageBatch
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVPress
+from pikv_hf.view import dense_view
 
 TIER = "compressed"
 
@@ -229,9 +230,10 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
             return
         codec = None
         if TIER not in layer.tiers:  # built from the first tokens it will hold (zeros elsewhere)
-            full = layer.view()
+            # the hot store alone, in view_index's order: an offload tier may hold tokens too (evict, then compress)
+            hot = dense_view([layer.store], layer.row_start)
             mask = ~old.unsqueeze(-1)
-            codec = self.build_codec(layer.layer_idx, full.keys.masked_fill(mask, 0), full.values.masked_fill(mask, 0))
+            codec = self.build_codec(layer.layer_idx, hot.keys.masked_fill(mask, 0), hot.values.masked_fill(mask, 0))
         layer.move_to_tier(TIER, view, ~old, codec=codec, page_size=self.page_size)
 
     # ------------------------------------------------------------------ reports
