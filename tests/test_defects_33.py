@@ -124,7 +124,8 @@ def _nbytes(cache) -> int:
 def test_7_an_eviction_ratio_is_honoured_in_bytes_across_shards_and_pages(page, shards, router):
     """H2OPress(0.5) frees half the bytes whatever the shards and pages: a PiKVCache holds what a DynamicCache under
     the same press holds (its tensors' bytes) plus at most one partly filled page per layer, row and KV head (the
-    shards' partly filled pages are pooled; before, tokens kept in every shard kept a page in each)."""
+    shards' partly filled pages are pooled; before, tokens kept in every shard kept a page in each); the gap left is
+    what ``empty_nbytes`` reports."""
     model = tiny_model("llama", seed=0)
     ids = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(3))
     dense, cache = DynamicCache(), PiKVCache(model, page_size=page, num_shards=shards, router=router)
@@ -137,5 +138,6 @@ def test_7_an_eviction_ratio_is_honoured_in_bytes_across_shards_and_pages(page, 
     assert want <= cache.kv_nbytes() <= want + slack
     for layer, ref in zip(cache.layers, dense.layers, strict=True):  # the same tokens (kvpress keeps them in score
         view = layer.view()  # order, the view in position order: compared channel by channel, sorted)
+        assert layer.empty_nbytes() == layer.kv_nbytes() - (ref.keys.nbytes + ref.values.nbytes)  # the gap, reported
         for mine, theirs in ((view.keys, ref.keys), (view.values, ref.values)):
             assert torch.equal(mine.sort(dim=2).values, theirs.sort(dim=2).values)

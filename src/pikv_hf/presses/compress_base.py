@@ -88,7 +88,8 @@ def cache_report(cache: PiKVCache) -> dict:
     -------
     dict
         ``layers``: per layer ``tokens`` (per (row, KV head), mean), ``compressed_tokens`` (in the compressed tier),
-        ``kv_bytes`` (``layer.kv_nbytes()``: every store on the device), ``compressed_bytes`` (the tier's) and
+        ``kv_bytes`` (``layer.kv_nbytes()``: every store on the device), ``empty_bytes`` (its share in slots that
+        hold no token, ``layer.empty_nbytes()``: partly filled pages, headroom), ``compressed_bytes`` (the tier's) and
         ``bytes_per_token`` (``kv_bytes`` per sequence position seen and batch row, all KV heads: the figure a
         ``DynamicCache`` holds as ``2 * H * D * itemsize``, so eviction lowers it too); ``kv_bytes`` and
         ``bytes_per_token`` over all layers.
@@ -107,6 +108,7 @@ def cache_report(cache: PiKVCache) -> dict:
                 "tokens": tokens,
                 "compressed_tokens": 0 if tier is None else int(tier.tokens_per_shard().sum()) / rows_heads,
                 "kv_bytes": kv,
+                "empty_bytes": layer.empty_nbytes(),
                 "compressed_bytes": 0 if tier is None else tier.kv_nbytes(),
                 "bytes_per_token": kv / max(layer.get_seq_length(), 1) / st.batch,
             }

@@ -424,6 +424,13 @@ class PagedStore:
         """Bytes allocated for the codec's key/value fields."""
         return self.pool.nbytes(self.kv_fields)
 
+    def empty_nbytes(self) -> int:
+        """The share of :meth:`kv_nbytes` in slots that hold no token (partly filled pages, growth headroom, a
+        reservation): what a press's ratio cannot free (``kv_nbytes * empty slots / slots``, measured on the pool)."""
+        slots = self.pool.num_pages * self.page_size
+        empty = slots - int(self.pool["valid"].sum())
+        return self.kv_nbytes() * empty // slots if slots else 0
+
     def meta_nbytes(self) -> int:
         """Bytes allocated for positions, valid bits, statistics, page shards and bounds, page table, shard sums."""
         t = self.table

@@ -121,6 +121,10 @@ class LayerStores:
         """Key/value bytes allocated in every store but the offload tier."""
         return sum(s.kv_nbytes() for n, s in self.named() if n != OFFLOAD)
 
+    def empty_nbytes(self) -> int:
+        """The share of :meth:`kv_nbytes` in slots that hold no token (``PagedStore.empty_nbytes``)."""
+        return sum(s.empty_nbytes() for n, s in self.named() if n != OFFLOAD)
+
     def offloaded_nbytes(self) -> int:
         return self.tiers[OFFLOAD].kv_nbytes() if OFFLOAD in self.tiers else 0
 
