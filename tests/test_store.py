@@ -100,7 +100,7 @@ def test_retain_keeps_shards_positions_statistics_and_frees_pages():
     store.pool.flat("attn_mass")[slot] = torch.arange(n, dtype=torch.float32).expand(b, h, n)
     keep_tok = torch.rand(b, h, n, generator=g) < 0.4  # ragged per (b, h)
     bytes_before = store.kv_nbytes()
-    removed = store.retain(_frame_keep(store, keep_tok))
+    removed = store.retain(_frame_keep(store, keep_tok), pool_tails=False)  # every shard keeps its tokens
     assert torch.equal(removed, (~keep_tok).sum(-1))
     valid = store.frame("valid")
     for bi in range(b):
@@ -128,7 +128,7 @@ def test_appends_after_ragged_retain_fill_open_pages_then_grow_only_their_run():
     store, g, shard, k, slot = _filled(2, b, h, p, s, n)
     keep_tok = torch.ones(b, h, n, dtype=torch.bool)
     keep_tok[0, 1, :30] = False  # one head keeps 10 tokens, the others 40
-    store.retain(_frame_keep(store, keep_tok))
+    store.retain(_frame_keep(store, keep_tok), pool_tails=False)
     more = torch.randint(0, s, (b, h, 9), generator=g)
     k2 = torch.randn(b, h, 9, 4, generator=g)
     new_slots = store.append(k2, k2, more, torch.arange(n, n + 9))
@@ -182,8 +182,48 @@ def test_shard_summaries_follow_appends_padding_and_retain():
     check(mask)
     keep = mask.clone()
     keep[0, 1, 25:] = False  # a ragged eviction on one head
-    store.retain(_frame_keep(store, keep))
+    store.retain(_frame_keep(store, keep), pool_tails=False)
     check(keep)
+
+
+def test_retain_pools_the_shards_partly_filled_pages():
+    """With ``pool_tails`` (evictions) kept tokens fill ``ceil(kept / P)`` pages per (row, head): only tokens past
+    their shard's last whole page change shard, and the shard statistics (counts, sums, min / max) are those of the
+    new shards, recounted from the pages."""
+    b, h, p, s, n = 2, 2, 4, 5, 60
+    store, g, shard, k, slot = _filled(3, b, h, p, s, n)
+    store.summary(torch.zeros(b, h, s, dtype=torch.int64))  # key statistics kept from here on
+    keep_tok = torch.rand(b, h, n, generator=g) < 0.5
+    store.retain(_frame_keep(store, keep_tok))
+    kept_n = keep_tok.sum(-1)
+    assert torch.equal(store.table.n_pages, kept_n.add(p - 1).div(p, rounding_mode="floor"))
+    assert store.kv_nbytes() == int(store.table.n_pages.sum()) * p * 2 * 4 * 4
+    valid = store.frame("valid")
+    new_shard = store.frame("shard").long().repeat_interleave(p, -1)
+    old_count = torch.nn.functional.one_hot(shard, s).mul(keep_tok[..., None]).sum(2)  # [B, H, S]
+    any_moved = False
+    for bi in range(b):
+        for hi in range(h):
+            v = valid[bi, hi]
+            order = store.frame("pos")[bi, hi][v].argsort()
+            kept = keep_tok[bi, hi].nonzero().squeeze(-1)
+            assert torch.equal(store.frame("keys")[bi, hi][v][order], k[bi, hi, kept])
+            moved = new_shard[bi, hi][v][order] != shard[bi, hi, kept]
+            any_moved |= bool(moved.any())
+            tails = old_count[bi, hi] % p
+            for si in range(s):  # a shard gives away at most its tail, and only its newest kept tokens
+                own = (shard[bi, hi, kept] == si).nonzero().squeeze(-1)
+                gone = moved[own]
+                assert int(gone.sum()) <= int(tails[si])
+                assert not bool(gone[: len(own) - int(tails[si])].any())
+    assert any_moved  # this seed pools something
+    count = torch.nn.functional.one_hot(new_shard.clamp(min=0), s).mul(valid[..., None]).sum(2)
+    summary = store.summary(torch.zeros_like(count))
+    assert torch.equal(summary.counts, count)
+    keys = store.frame("keys")
+    total, lo, hi = _summary_reference(keys, new_shard.clamp(min=0), valid, s)[1:]
+    assert torch.allclose(summary.centroids * count.clamp(min=1)[..., None], total, atol=1e-5)
+    assert torch.equal(summary.key_min, lo) and torch.equal(summary.key_max, hi)
 
 
 def test_page_bounds_follow_appends_padding_retain_and_batch_indexing():

@@ -128,6 +128,12 @@ class LayerEdits:
         if self.store is not None:
             self.store.enable_stats()
 
+    def empty_nbytes(self) -> int:
+        """The share of ``kv_nbytes()`` in allocated slots that hold no token (partly filled pages, growth headroom,
+        a ``max_cache_len`` reservation), every store but the offload tier: the gap between the bytes held and those
+        of the tokens held, which no press ratio frees."""
+        return 0 if self.stores is None else self.stores.empty_nbytes()
+
     def held(self) -> torch.Tensor:
         """``[B, H]`` tokens held in the hot store per row and KV head."""
         return self.store.stats.count.sum(-1)

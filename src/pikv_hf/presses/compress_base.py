@@ -35,6 +35,7 @@ from pikv_hf.checks import check_field_types, check_int_at_least
 from pikv_hf.codecs.base import Codec, PageBatch
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVPress
+from pikv_hf.view import dense_view
 
 TIER = "compressed"
 
@@ -87,7 +88,8 @@ def cache_report(cache: PiKVCache) -> dict:
     -------
     dict
         ``layers``: per layer ``tokens`` (per (row, KV head), mean), ``compressed_tokens`` (in the compressed tier),
-        ``kv_bytes`` (``layer.kv_nbytes()``: every store on the device), ``compressed_bytes`` (the tier's) and
+        ``kv_bytes`` (``layer.kv_nbytes()``: every store on the device), ``empty_bytes`` (its share in slots that
+        hold no token, ``layer.empty_nbytes()``: partly filled pages, headroom), ``compressed_bytes`` (the tier's) and
         ``bytes_per_token`` (``kv_bytes`` per sequence position seen and batch row, all KV heads: the figure a
         ``DynamicCache`` holds as ``2 * H * D * itemsize``, so eviction lowers it too); ``kv_bytes`` and
         ``bytes_per_token`` over all layers.
@@ -106,6 +108,7 @@ def cache_report(cache: PiKVCache) -> dict:
                 "tokens": tokens,
                 "compressed_tokens": 0 if tier is None else int(tier.tokens_per_shard().sum()) / rows_heads,
                 "kv_bytes": kv,
+                "empty_bytes": layer.empty_nbytes(),
                 "compressed_bytes": 0 if tier is None else tier.kv_nbytes(),
                 "bytes_per_token": kv / max(layer.get_seq_length(), 1) / st.batch,
             }
@@ -229,9 +232,10 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
             return
         codec = None
         if TIER not in layer.tiers:  # built from the first tokens it will hold (zeros elsewhere)
-            full = layer.view()
+            # the hot store alone, in view_index's order: an offload tier may hold tokens too (evict, then compress)
+            hot = dense_view([layer.store], layer.row_start)
             mask = ~old.unsqueeze(-1)
-            codec = self.build_codec(layer.layer_idx, full.keys.masked_fill(mask, 0), full.values.masked_fill(mask, 0))
+            codec = self.build_codec(layer.layer_idx, hot.keys.masked_fill(mask, 0), hot.values.masked_fill(mask, 0))
         layer.move_to_tier(TIER, view, ~old, codec=codec, page_size=self.page_size)
 
     # ------------------------------------------------------------------ reports

@@ -1,6 +1,14 @@
 """Quest reads (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024):
 each (row, KV head) reads ``ceil(read_fraction * pages)`` pages, sink / window pages first, then the pages with
-the largest upper bound of ``q . k`` from per-page key min / max; every token of a page read is attended."""
+the largest upper bound of ``q . k`` from per-page key min / max; every token of a page read is attended.
+
+A layer whose tokens are spread over several stores (the hot store and a compressed or offload tier) has one budget
+over all of them, in token slots: ``read_fraction`` of the slots of every page stored, filled with every store's
+sink and window pages first (always read, even past the budget: the hot store holds the query's own token), then with
+the pages of any store with the largest bound. A budget per store would round a small store's share down: the hot
+store of a compressed layer holds only the compressor's window (two or three pages), of which ``1/8`` reads one page
+and loses the recent tokens.
+"""
 
 from __future__ import annotations
 
@@ -17,22 +25,59 @@ from pikv_hf.store.group import StoreGroup
 
 @register("quest")
 class QuestRead(SparseRead):
-    """Per-page selection from incrementally kept page key bounds; the plan is ``ceil(read_fraction * W)`` pages wide
-    for a frame of ``W`` pages (each (row, head) fills its own budget of ``ceil(read_fraction * n_pages)``)."""
+    """Per-page selection from incrementally kept page key bounds; a single store's plan is
+    ``ceil(read_fraction * W)`` pages wide for a frame of ``W`` pages (each (row, head) fills its own budget of
+    ``ceil(read_fraction * n_pages)``); a store of a group of several gets a plan as wide as its frame."""
 
     def plans(
         self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos: torch.Tensor, row_start: torch.Tensor
     ) -> list[ReadPlan]:
-        return [self.plan(s, qg.to(s.device), qpos.to(s.device), row_start.to(s.device)) for s in group.stores]
+        if len(group.stores) == 1:
+            return [self.plan(group.stores[0], qg, qpos, row_start)]
+        return self.group_plans(group, qg, qpos, row_start)
 
-    def plan(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> ReadPlan:
-        cfg = self.config
+    def scores(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
+        """``[B, H, W]`` Quest bound of every frame page of ``store`` (on its device): ``inf`` for sink / window
+        pages, ``-inf`` for empty ones."""
+        cfg, d = self.config, store.device
         store.enable_page_bounds()
         key_min, key_max, count = store.page_bounds()
-        special = special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
-        score = upper_bounds(qg, key_min, key_max, count).masked_fill(special, float("inf"))
-        budget = torch.ceil(store.table.n_pages * cfg.read_fraction).long()  # [B, H]
-        width = min(store.table.width(), math.ceil(cfg.read_fraction * store.table.width()))
+        special = special_pages(store, qpos.to(d), cfg.n_sink, cfg.window, row_start.to(d))
+        return upper_bounds(qg.to(d), key_min, key_max, count).masked_fill(special, float("inf"))
+
+    def plan(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> ReadPlan:
+        """The plan of a layer held in one store: ``ceil(read_fraction * n_pages)`` pages per (row, head)."""
+        f = self.config.read_fraction
+        score = self.scores(store, qg, qpos, row_start)
+        budget = torch.ceil(store.table.n_pages * f).long()  # [B, H]
+        width = min(store.table.width(), math.ceil(f * store.table.width()))
         order = score.argsort(dim=-1, descending=True, stable=True)[..., :width]  # ties to the earlier page
-        take = (torch.arange(width, device=store.device) < budget.unsqueeze(-1)) & (count.gather(2, order) > 0)
+        take = (torch.arange(width, device=store.device) < budget.unsqueeze(-1)) & (score.gather(2, order) > -math.inf)
         return ReadPlan(torch.where(take, order, -1))
+
+    def group_plans(
+        self, group: StoreGroup, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor
+    ) -> list[ReadPlan]:
+        """One plan per store of ``group`` from one budget of ``read_fraction`` of the slots of every stored page
+        (module docstring): pages are taken in the order of their bounds over all stores while the slots taken
+        before them stay under the budget; sink and window pages always."""
+        d, stores = group.device, group.stores
+        scores = [self.scores(s, qg, qpos, row_start) for s in stores]
+        score = torch.cat([x.to(d) for x in scores], -1)  # [B, H, sum of W]
+        size = torch.cat([torch.full((s.table.width(),), s.page_size, device=d) for s in stores])  # slots per page
+        slots = sum(s.table.n_pages.to(d) * s.page_size for s in stores)  # [B, H] slots of every stored page
+        order = score.argsort(dim=-1, descending=True, stable=True)
+        ranked = score.gather(2, order)
+        before = size[order].cumsum(-1) - size[order]  # slots of the pages ranked ahead
+        chosen = ((before < slots.unsqueeze(-1) * self.config.read_fraction) | (ranked == math.inf)) & (
+            ranked > -math.inf
+        )
+        taken = torch.zeros_like(chosen).scatter_(2, order, chosen)
+        plans, start = [], 0
+        for s, x in zip(stores, scores, strict=True):
+            w = x.shape[-1]
+            n = taken[..., start : start + w].sum(-1).to(s.device)  # this store's pages lead its own ranking
+            own = x.argsort(dim=-1, descending=True, stable=True)
+            plans.append(ReadPlan(torch.where(torch.arange(w, device=s.device) < n.unsqueeze(-1), own, -1)))
+            start += w
+        return plans

@@ -91,6 +91,7 @@ class PagedStore:
         self.table = PageTable(batch, heads, num_shards, page_size, device)
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
         self._sums_stale = False  # key sums lost track after a re-pack: recounted when a selector reads them
+        self._bounds_stale = False  # shard min / max too: a re-pack moved tokens between shards (pooled tails)
         self._summarised = False  # key statistics kept at all (from the first summary() on; counts always)
         self._room = 0  # pages every run can still take without a relayout (a lower bound, kept on the host)
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
@@ -262,13 +263,15 @@ class PagedStore:
         bh = torch.arange(b * h, device=shard.device).view(b, h, 1)
         return bh * self.num_shards + shard
 
-    def retain(self, keep: torch.Tensor) -> torch.Tensor:
+    def retain(self, keep: torch.Tensor, pool_tails: bool = True) -> torch.Tensor:
         """Keep only the frame slots where ``keep`` (``[B, H, W * P]`` bool) is True; returns ``[B, H]`` valid tokens
         removed.
 
-        Kept tokens are re-packed shard by shard in position order into exactly as many pages as they need (at most
-        one partly filled page per (row, head, shard)), with their statistics; the pool is reallocated to that size,
-        so freed pages are really released. One copy of the kept slots; no token is re-appended.
+        Kept tokens are re-packed shard by shard in position order into exactly as many pages as they need, with
+        their statistics; with ``pool_tails`` the shards' partly filled pages are pooled so that at most one page per
+        (row, head) is partly filled (``repack.py``: a few tokens change shard), else one per (row, head, shard). The
+        pool is reallocated to that size (or to the capacity ``reserve`` keeps), so freed pages are really released.
+        One copy of the kept slots; no token is re-appended.
         """
         p, s = self.page_size, self.num_shards
         slots = self.frame_slots()
@@ -276,7 +279,7 @@ class PagedStore:
         kept = keep & valid
         removed = valid & ~kept
         shard = self.frame("shard").long().clamp(min=0).repeat_interleave(p, dim=-1)
-        r = repack(kept, slots, shard, self.frame("pos"), p, s)
+        r = repack(kept, slots, shard, self.frame("pos"), p, s, pool_tails)
         t = self.table
         n_pages = r.n_pages.sum(-1)
         total = t.set_caps(n_pages.clamp(min=self._reserved))
@@ -303,6 +306,7 @@ class PagedStore:
         t.open_fill = torch.where(used, r.count - (r.n_pages - 1) * p, p)
         self.stats.count = r.count
         self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
+        self._bounds_stale |= r.moved
         self._room = int((t.cap - n_pages).min()) if n_pages.numel() else 0
         if bounds:
             rebuild_page_bounds(self.pool, self._decoded()[0])
@@ -388,13 +392,14 @@ class PagedStore:
         shard = self.pool["shard"].long().clamp(min=0)
         self.stats.recount(run * self.num_shards + shard, keys, self.pool["valid"], bounds=bounds)
         self._sums_stale = False
+        self._bounds_stale &= not bounds
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The shard summaries a selector reads (kept from the first call on, see :meth:`keep_summaries`; the sums
         recounted first after an eviction re-packed the pages)."""
         self.keep_summaries()
         if self._sums_stale:
-            self._recount(bounds=False)
+            self._recount(bounds=self._bounds_stale)
         return self.stats.summary(misses)
 
     def tokens_per_shard(self) -> torch.Tensor:
@@ -422,6 +427,13 @@ class PagedStore:
     def kv_nbytes(self) -> int:
         """Bytes allocated for the codec's key/value fields."""
         return self.pool.nbytes(self.kv_fields)
+
+    def empty_nbytes(self) -> int:
+        """The share of :meth:`kv_nbytes` in slots that hold no token (partly filled pages, growth headroom, a
+        reservation): what a press's ratio cannot free (``kv_nbytes * empty slots / slots``, measured on the pool)."""
+        slots = self.pool.num_pages * self.page_size
+        empty = slots - int(self.pool["valid"].sum())
+        return self.kv_nbytes() * empty // slots if slots else 0
 
     def meta_nbytes(self) -> int:
         """Bytes allocated for positions, valid bits, statistics, page shards and bounds, page table, shard sums."""

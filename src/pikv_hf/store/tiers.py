@@ -65,10 +65,11 @@ class LayerStores:
                 self.tiers[name].keep_summaries()
         return self.tiers[name]
 
-    def move(self, name: str, keep: torch.Tensor) -> torch.Tensor:
+    def move(self, name: str, keep: torch.Tensor, pool_tails: bool = False) -> torch.Tensor:
         """Move the hot store's valid tokens where ``keep`` (``[B, H, W * P]`` bool over its frame) is False to the
         tier ``name`` (see :meth:`tier`), with their shard and position; returns ``[B, H]`` tokens moved. Attention
-        still reads them, from the tier; their per-slot statistics start over there."""
+        still reads them, from the tier; their per-slot statistics start over there. ``pool_tails``: the hot store's
+        re-pack pools the shards' partly filled pages (``PagedStore.retain``; some kept tokens change shard)."""
         st, tier = self.hot, self.tier(name)
         move = st.frame("valid") & ~keep
         n = move.sum(-1)
@@ -85,7 +86,7 @@ class LayerStores:
         shard = st.frame("shard").long().repeat_interleave(st.page_size, dim=-1).gather(2, order).clamp(min=0)
         d = tier.device
         tier.append(take(keys), take(values), shard.to(d), pos.gather(2, order).to(d), present.to(d))
-        st.retain(keep | ~st.frame("valid"))
+        st.retain(keep | ~st.frame("valid"), pool_tails)
         return n
 
     def offload(self, keep: torch.Tensor, target: str = "cpu") -> torch.Tensor:
@@ -94,13 +95,14 @@ class LayerStores:
         if OFFLOAD not in self.tiers:
             storage = "disk" if target == "disk" else ("pinned" if self.hot.device.type == "cuda" else None)
             self.tier(OFFLOAD, device="cpu", storage=storage)
-        return self.move(OFFLOAD, keep)
+        return self.move(OFFLOAD, keep, pool_tails=True)  # what stays resident is the press's share, in bytes
 
     def crop(self, max_length: int) -> torch.Tensor:
-        """Drop every stored token at a position ``>= max_length``; returns ``[B, H]`` tokens removed."""
-        removed = self.hot.retain(self.hot.frame("pos") < max_length)
+        """Drop every stored token at a position ``>= max_length``; returns ``[B, H]`` tokens removed. Every other
+        token keeps its shard (no pooled tails: a crop undoes appends, it is no press's ratio)."""
+        removed = self.hot.retain(self.hot.frame("pos") < max_length, pool_tails=False)
         for tier in self.tiers.values():
-            removed += tier.retain(tier.frame("pos") < max_length).to(removed.device)
+            removed += tier.retain(tier.frame("pos") < max_length, pool_tails=False).to(removed.device)
         return removed
 
     def index_batch(self, index: torch.Tensor) -> None:
@@ -118,6 +120,10 @@ class LayerStores:
     def kv_nbytes(self) -> int:
         """Key/value bytes allocated in every store but the offload tier."""
         return sum(s.kv_nbytes() for n, s in self.named() if n != OFFLOAD)
+
+    def empty_nbytes(self) -> int:
+        """The share of :meth:`kv_nbytes` in slots that hold no token (``PagedStore.empty_nbytes``)."""
+        return sum(s.empty_nbytes() for n, s in self.named() if n != OFFLOAD)
 
     def offloaded_nbytes(self) -> int:
         return self.tiers[OFFLOAD].kv_nbytes() if OFFLOAD in self.tiers else 0
