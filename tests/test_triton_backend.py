@@ -59,7 +59,8 @@ def test_routed_decode_through_the_kernel_equals_the_torch_backend():
         stats[name] = cache.routing_stats()["overall"]
     assert torch.equal(outs["torch"].sequences, outs["triton"].sequences)
     assert max_logit_diff(outs["torch"].logits, outs["triton"].logits) < 1e-5
-    assert stats["triton"] == stats["torch"]  # tokens attended: counted by the kernel, on the device
+    # tokens attended: counted by the kernel, on the device (integers); recall is a float ratio of sums
+    assert stats["triton"] == pytest.approx(stats["torch"], rel=1e-6)
     assert stats["torch"]["fraction_tokens_attended"] < 0.8 and 0 < stats["torch"]["recall"] < 1
 
 
@@ -97,7 +98,7 @@ def test_ragged_runs_after_eviction_read_through_the_kernel(attention):
         assert (outs["triton"] - expected.transpose(1, 2)).abs().max() < 1e-5
     else:
         torch_stats, triton_stats = (caches[n].routing_stats()["per_layer"][0] for n in ("torch", "triton"))
-        assert triton_stats == torch_stats and torch_stats["fraction_tokens_attended"] < 0.9
+        assert triton_stats == pytest.approx(torch_stats, rel=1e-6) and torch_stats["fraction_tokens_attended"] < 0.9
 
 
 def test_default_dispatch_keeps_the_torch_reference_on_cpu_and_names_are_checked():
