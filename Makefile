@@ -80,8 +80,12 @@ bench-distributed: $(STAMP)
 
 # Decode attention kernels: dense and sparse (25%, 12.5%) reads against SDPA and gather + SDPA, JSON named after the
 # device under benchmarks/results/ (the fused Triton kernels on CUDA, the torch reference path on CPU). Not in `test`.
-bench-kernels: $(STAMP)
-	$(PY) benchmarks/kernels.py
+# Decode kernels on the machine's GPU (16k and 32k x batch 8, pages of 16 and 1, 4-bit, a captured 30-layer step;
+# ~3 minutes on an H200): with no .venv here it runs the machine's own python, torch and triton and installs nothing
+# (the project's other pins on PYTHONPATH, see shared/GPU.md); writes benchmarks/results/kernels_<gpu>.json
+KERNELS_PY := $(if $(wildcard $(PY)),$(PY),python3)
+bench-kernels:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(KERNELS_PY) benchmarks/kernels.py
 
 # On a machine with a CUDA GPU and its own torch / triton (no venv, nothing installed, no network): every way eager
 # against DynamicCache and compiled against StaticCache at 32k x batch 1 and 8, random weights of Llama-3.1-8B's and

@@ -44,10 +44,6 @@ class Partial:
     attended: torch.Tensor | None = None
 
 
-def _stream_key(device: torch.device) -> int | None:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-
-
 def readable(ok: torch.Tensor, pos: torch.Tensor, plan: ReadPlan, qpos: torch.Tensor, p: int) -> torch.Tensor:
     """``ok`` (``[B, H, n * P]`` valid slots of the planned pages) restricted by the plan: slots of pages that are
     not read in full count only as sink or recent-window tokens."""
@@ -95,9 +91,11 @@ def fused_decode(
 class TorchBackend:
     """Gather + masked attention in torch ops; the reference every other backend is tested against.
 
-    Gathers go to a scratch workspace kept between calls (a fresh multi-megabyte tensor per decode step costs more
-    in CPU page faults than the copy). It is keyed by field, dtype, device and CUDA stream, and its tensors never
-    leave :meth:`attend`, so layers that attend one after the other on one stream may share a backend.
+    On the CPU, eager gathers go to a scratch workspace kept between calls (a fresh multi-megabyte tensor per decode
+    step costs more in CPU page faults than the copy), keyed by field and dtype; its tensors never leave
+    :meth:`attend`, so layers that attend one after the other may share a backend. On an accelerator and in compiled
+    code a gather allocates its output (the caching allocator reuses memory; nothing is keyed by a stream or kept
+    across a graph).
     """
 
     name = "torch"
@@ -107,9 +105,11 @@ class TorchBackend:
 
     def _gather(self, store: PagedStore, name: str, pages: torch.Tensor) -> torch.Tensor:
         field = store.pool[name]
+        if field.device.type != "cpu" or torch.compiler.is_compiling():
+            return store.pool.gather(name, pages)
         per_page = field[0].numel() if field.shape[0] else 0
         need = pages.numel() * per_page
-        key = (name, field.dtype, field.device, _stream_key(field.device))
+        key = (name, field.dtype)
         buf = self._workspace.get(key)
         if buf is None or buf.numel() < need:
             buf = self._workspace[key] = field.new_empty(need)

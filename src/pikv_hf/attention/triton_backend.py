@@ -3,12 +3,13 @@ and the dispatch a ``PiKVCache`` uses by default: Triton for stores on CUDA when
 reference elsewhere.
 
 The kernel reads K/V in place through the page table: an exact read passes every run's pages with ``n_pages`` as
-the row lengths (splits then divide the pages in use), a sparse plan passes its pages and ``page_full``. The
-calls it makes read only shapes, so the attention of a decode step does not synchronise with the host (the read
-policies still do, see their code). Attention mass (``want_mass``), per-group partials (``groups > 1``), codecs
-other than identity and chunks of more than ``max_queries`` tokens (prefill: the kernel is built for a few query
-rows per KV head) use the inherited torch path. Kernels are imported at the first Triton call, so whether they
-run interpreted (``TRITON_INTERPRET=1``, CPU) is decided then.
+the row lengths (splits then divide the pages in use), a sparse plan passes its pages and ``page_full``. Stores of
+the identity codec are read as stored, stores of ``QuantCodec`` as codes dequantised in registers (``decode_quant``).
+The kernels run as the custom operator ``torch.ops.pikv.paged_decode`` and the calls read only shapes, so the
+attention of a decode step does not synchronise with the host and compiles with ``torch.compile(fullgraph=True)``.
+Attention mass (``want_mass``), per-group partials (``groups > 1``), other codecs and chunks of more than
+``max_queries`` tokens (prefill: the kernel is built for a few query rows per KV head) use the inherited torch path.
+Whether the kernels run interpreted (``TRITON_INTERPRET=1``, CPU) is decided when ``pikv_hf`` is imported.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from importlib.util import find_spec
 import torch
 
 from pikv_hf.attention.backend import Partial, TorchBackend
+from pikv_hf.codecs.quant import QuantCodec
+from pikv_hf.kernels.decode import decode_attention
+from pikv_hf.kernels.decode_quant import QUANT_FIELDS, QuantPages, decode_attention_quant
 from pikv_hf.read.plan import ReadPlan
 from pikv_hf.store import PagedStore
 
@@ -49,7 +53,9 @@ class TritonBackend(TorchBackend):
 
     def fused(self, store: PagedStore, queries: int, groups: int, want_mass: bool) -> bool:
         """Whether :meth:`attend` runs the kernel for a call with ``queries`` query tokens."""
-        return queries <= self.max_queries and not want_mass and groups == 1 and store.kv_fields == ("keys", "values")
+        identity = store.kv_fields == ("keys", "values")
+        quant = isinstance(store.codec, QuantCodec) and store.kv_fields == QUANT_FIELDS
+        return queries <= self.max_queries and not want_mass and groups == 1 and (identity or quant)
 
     def attend(
         self,
@@ -70,8 +76,6 @@ class TritonBackend(TorchBackend):
             return super().attend(
                 query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count, newest
             )
-        from pikv_hf.kernels.decode import decode_attention
-
         pool = store.pool
         if plan.exact:
             pages, lengths = _frame_pages(store), store.table.n_pages
@@ -79,11 +83,16 @@ class TritonBackend(TorchBackend):
             pages = store.table.pages(plan.pages)
             lengths = _plan_lengths(pages)
         attended = torch.empty(store.batch, store.heads, dtype=torch.int64, device=store.device) if count else None
-        o, lse = decode_attention(
-            query, pool["keys"], pool["values"], pool["pos"], pool["valid"], pages, qpos, scale,
+        read = dict(
             page_full=plan.page_full, n_sink=plan.n_sink, window=plan.window, row_start=plan.row_start,
             lengths=lengths, sliding_window=sliding_window, sinks=sinks, attended=attended, check=False,
         )  # fmt: skip
+        if store.kv_fields == ("keys", "values"):
+            kv = (pool["keys"], pool["values"])
+            o, lse = decode_attention(query, *kv, pool["pos"], pool["valid"], pages, qpos, scale, **read)
+        else:
+            quant = QuantPages(*(pool[name] for name in QUANT_FIELDS), bits=store.codec.bits)
+            o, lse = decode_attention_quant(query, quant, pool["pos"], pool["valid"], pages, qpos, scale, **read)
         return Partial(o, lse, attended=attended)
 
 

@@ -1,66 +1,61 @@
 """Fused paged decode attention: a few query tokens attend to the pages a page table names, reading K/V in place.
 
-One program reads one (batch row, KV head) and one split of its table: every query head of that KV head (GQA) and
-every query token share each K/V block it loads (``rows = G * q``, tiled by ``BLOCK_R`` when many). A slot ``j``
-of the split is local page ``j // P`` at offset ``j % P``; its global page comes from the table, so pages of 1 and
-partly read pages need no gather. A slot may be read when
+Stage 1, program ``(b * H + h, split, row tile)``: every query head of KV head ``h`` (GQA) and every query token
+(``rows = G * q``, padded to ``BLOCK_R >= 16`` for the tensor cores) share each K/V tile it loads, so a tile is read
+once for its whole group: ``q [BLOCK_R, D] @ k^T [D, BLOCK_N]``, then ``p [BLOCK_R, BLOCK_N] @ v [BLOCK_N, D]``,
+16-bit inputs on the tensor cores with float32 accumulation (float32 models: ``ieee``). The table row's slots in use
+(``lengths``) are cut into ``splits`` runs of whole tiles, the number of splits chosen on the host from
+``B * H`` and the SM count, so a sparse plan (a narrower table) costs in proportion to what it reads. A slot ``j``
+is local page ``j // P`` at offset ``j % P``: when a page holds a whole tile (``P >= BLOCK_N``) the tile is one table
+entry and ``BLOCK_N`` contiguous slots; smaller pages (down to one token) read one table entry per slot, each slot a
+contiguous ``D`` row. A slot may be read when
 
     ``valid & page_exists & (page_full | sink | recent)``   (``sink``: ``0 <= pos - row_start[b] < n_sink``,
                                                               ``recent``: ``pos > qpos[-1] - window``)
 
 and query ``i`` attends it when also ``pos <= qpos[i]`` (and ``qpos[i] - pos < sliding_window``): the rule of
-``TorchBackend`` (``pikv_hf.attention.backend``). K/V of slots that may not be read are not loaded. Each split
-writes a partial ``(o, lse)``; a second kernel merges the splits and the GPT-OSS sink logits with the exact
-log-sum-exp merge of ``pikv_hf.attention.merge``. Logits and the softmax are float32; ``q . k`` of 16-bit inputs
-accumulates in float32 and ``p @ v`` runs in float32 (``tf32x3`` on tensor cores, ``ieee`` for float32 models).
+``TorchBackend`` (``pikv_hf.attention.backend``). Each split writes a partial ``(o, lse)``; stage 2 merges the
+splits and the GPT-OSS sink logits with the exact log-sum-exp merge of ``pikv_hf.attention.merge``. With ``BITS > 0``
+the tiles are read as codes and dequantised in registers (``decode_quant.py`` defines the layout).
 
-The host wrapper reads only shapes (the table width ``n``, the page size): no ``.item()``, so a decode step that
-calls it can be captured in a CUDA graph. ``decode_quant.py`` runs the same kernel with dequantising loads.
+Both stages run inside one torch custom operator, ``torch.ops.pikv.paged_decode`` (plain tensor / int / float
+arguments, a fake implementation for tracing, CPU: the kernels under ``TRITON_INTERPRET=1``, else the torch
+reference), so ``torch.compile(fullgraph=True)`` and CUDA graphs take a decode step that calls it. The host code
+reads only shapes (no ``.item()``): the step does not synchronise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from pikv_hf.attention.reference import masked_attention
+from pikv_hf.attention.reference import allowed_mask, masked_attention
 from pikv_hf.kernels._host import cdiv, check_pages_in_range, expect, next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import HAVE_TRITON, check_launchable, interpreted, jit, tl, triton
 from pikv_hf.kernels.gather import gather_pages_reference
 from pikv_hf.read.plan import sink_or_recent
 
 _INT = (torch.int32, torch.int64)
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_BLOCK_R = 64  # query rows per program (more rows: more row tiles)
-_MAX_BLOCK_N = 64  # slots per K/V block
+_BLOCK_N = 64  # slots per tile for small reads (large ones autotune it on CUDA)
+_PROGRAMS_PER_SM = 4  # stage-1 programs the host aims for per SM
+_MIN_SPLIT_SLOTS = 256  # fewest slots worth a split of their own
+_MAX_SPLITS = 64
+_TUNE_FROM_SLOTS = 4096  # table rows of at least this many slots launch the autotuned kernel (CUDA)
+_LOG2E = 1.4426950408889634
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
 @jit
-def _split_bounds(len_ptr, bh, n_table, num_splits, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEN: tl.constexpr):
-    """Slots ``[lo, hi)`` of this program's split: the row's table entries in use, cut into ``num_splits`` runs of
-    whole blocks."""
-    if HAS_LEN:
-        n_slots = tl.load(len_ptr + bh).to(tl.int32) * PAGE
-    else:
-        n_slots = n_table * PAGE
-    per_split = tl.cdiv(tl.cdiv(n_slots, num_splits), BLOCK_N) * BLOCK_N
-    lo = tl.program_id(1) * per_split
-    return lo, tl.minimum(lo + per_split, n_slots)
-
-
-@jit
-def _slot_block(
+def _tile(
     start,
     hi,
-    bh,
-    table_ptr,
-    full_ptr,
+    row_table,
+    full_row,
     pos_ptr,
     valid_ptr,
-    n_table,
     row_start,
     qpos_last,
     n_sink,
@@ -69,106 +64,102 @@ def _slot_block(
     BLOCK_N: tl.constexpr,
     HAS_FULL: tl.constexpr,
 ):
-    """Slots ``[start, start + BLOCK_N)`` of a table row: global page and flat pool slot (int64), position and
-    whether the plan lets the slot be read."""
-    j = start + tl.arange(0, BLOCK_N)
-    in_split = j < hi
-    local = bh * n_table + j // PAGE
-    page = tl.load(table_ptr + local, mask=in_split, other=-1).to(tl.int64)
-    slot = page * PAGE + j % PAGE
-    ok = in_split & (page >= 0)
-    ok = ok & (tl.load(valid_ptr + slot, mask=ok, other=0) != 0)
-    pos = tl.load(pos_ptr + slot, mask=ok, other=0)
+    """Slots ``[start, start + BLOCK_N)`` of a table row: global page (a scalar when the tile lies in one page),
+    flat pool slot (int64), whether the slot's page exists (``load``: K/V are loaded), whether the plan lets it be
+    read (``ok``) and its position."""
+    offs = tl.arange(0, BLOCK_N)
+    in_split = start + offs < hi
+    if PAGE >= BLOCK_N:  # one page holds the whole tile: one table entry, contiguous slots
+        page = tl.load(row_table + start // PAGE)
+        slot = page.to(tl.int64) * PAGE + (start % PAGE + offs)
+        load = in_split & (tl.zeros_like(offs) + page >= 0)  # a block mask (the interpreter refuses scalar & block)
+        if HAS_FULL:
+            full = tl.load(full_row + start // PAGE) != 0
+    else:
+        j = start + offs
+        page = tl.load(row_table + j // PAGE, mask=in_split, other=-1)
+        slot = page.to(tl.int64) * PAGE + j % PAGE
+        load = in_split & (page >= 0)
+        if HAS_FULL:
+            full = tl.load(full_row + j // PAGE, mask=in_split, other=0) != 0
+    ok = load & (tl.load(valid_ptr + slot, mask=load, other=0) != 0)
+    pos = tl.load(pos_ptr + slot, mask=load, other=0)
     if HAS_FULL:
-        full = tl.load(full_ptr + local, mask=in_split, other=0) != 0
         rel = pos - row_start
         ok = ok & (full | ((rel >= 0) & (rel < n_sink)) | (pos > qpos_last - window))
-    return page, slot, pos, ok
+    return page, slot, load, ok, pos
 
 
 @jit
-def _attend_block(
-    q,
-    k,
-    v,
-    pos,
-    ok,
-    qpos_rows,
-    m_i,
-    l_i,
-    acc,
-    scale,
-    sliding_window,
-    HAS_SLIDING: tl.constexpr,
-    QK_PRECISION: tl.constexpr,
-    PV_PRECISION: tl.constexpr,
-):
-    """Online-softmax update of rows ``(m_i, l_i, acc)`` with one K/V block (masked slots: ``-inf`` logits); ``q``
-    and ``k`` are float32."""
-    s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION) * scale
-    allowed = ok[None, :] & (pos[None, :] <= qpos_rows[:, None])
-    if HAS_SLIDING:
-        allowed = allowed & (qpos_rows[:, None] - pos[None, :] < sliding_window)
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp(s - m_safe[:, None])
-    alpha = tl.exp(m_i - m_safe)
-    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PV_PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+def _codes(codes_ptr, slot, c, mask, BYTES: tl.constexpr, BITS: tl.constexpr):
+    """``[BLOCK_N, BLOCK_D]`` float32 codes of channels ``c`` of flat slots ``slot`` (``decode_quant`` layout)."""
+    byte = tl.load(codes_ptr + slot[:, None] * BYTES + (c // (8 // BITS))[None, :], mask=mask, other=0)
+    return ((byte.to(tl.int32) >> ((c % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
 
 
 @jit
-def _count_last(pos, ok, qpos_last, sliding_window, HAS_SLIDING: tl.constexpr):
-    """``[BLOCK_N]`` int32: slots of the block the last query token attends (the read statistics)."""
-    last = ok & (pos <= qpos_last)
-    if HAS_SLIDING:
-        last = last & (qpos_last - pos < sliding_window)
-    return last.to(tl.int32)
-
-
-@jit
-def _store_split(
-    o_ptr, lse_ptr, count_ptr, rows, row_ok, dv, dv_ok, m_i, l_i, acc, count, R: tl.constexpr, DV: tl.constexpr
-):
-    """Write the split's partial rows ``(o, lse)`` (``[B * H, splits, R, Dv]``, ``[B * H, splits, R]``) and, from
-    the first row tile, the split's attended count (``[B * H, splits]``)."""
-    bh, split, num_splits = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    lse = tl.where(l_i > 0, m_safe + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
-    part = (bh * num_splits + split).to(tl.int64) * R + rows
-    tl.store(o_ptr + part[:, None] * DV + dv[None, :], o, mask=row_ok[:, None] & dv_ok[None, :])
-    tl.store(lse_ptr + part, lse, mask=row_ok)
-    if tl.program_id(2) == 0:
-        tl.store(count_ptr + bh * num_splits + split, tl.sum(count, 0))
-
-
-# ---------------------------------------------------------------------------------------------- kernels
-@jit
-def load_kv(
-    kv,
+def _load_kv(
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
     page,
     slot,
+    load,
     dk,
     dv,
-    k_mask,
-    v_mask,
     DK: tl.constexpr,
     DV: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    """The ``LOAD_KV`` of identity pages ``kv = (keys [N, P, Dk], values [N, P, Dv])``: the block's keys
-    (``[BLOCK_N, BLOCK_DK]`` float32) and values (``[BLOCK_N, BLOCK_DV]``) at flat slots ``slot``."""
-    k = tl.load(kv[0] + slot[:, None] * DK + dk[None, :], mask=k_mask, other=0.0)
-    return k.to(tl.float32), tl.load(kv[1] + slot[:, None] * DV + dv[None, :], mask=v_mask, other=0.0)
+    """Keys ``[BLOCK_N, BLOCK_DK]`` and values ``[BLOCK_N, BLOCK_DV]`` of the tile's slots whose page exists: the
+    stored ones (``BITS == 0``) or float32 dequantised codes (keys per page and channel, values per slot and group of
+    ``GROUP`` channels)."""
+    if BLOCK_DK == DK:  # no padded channel: the mask is constant along a row, loads stay vectorised
+        k_mask = load[:, None]
+    else:
+        k_mask = load[:, None] & (dk < DK)[None, :]
+    if BLOCK_DV == DV:
+        v_mask = load[:, None]
+    else:
+        v_mask = load[:, None] & (dv < DV)[None, :]
+    if BITS == 0:
+        k = tl.load(k_ptr + slot[:, None] * DK + dk[None, :], mask=k_mask, other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * DV + dv[None, :], mask=v_mask, other=0.0)
+    else:
+        k = _codes(k_ptr, slot, dk, k_mask, DK * BITS // 8, BITS)
+        if PAGE >= BLOCK_N:  # one page: one scale / zero row for the tile
+            at = page.to(tl.int64) * DK + dk
+            row_ok = (dk < DK) & (tl.zeros_like(dk) + page >= 0)
+            k_scale = tl.load(ks_ptr + at, mask=row_ok, other=0.0).to(tl.float32)
+            k = k * k_scale[None, :] + tl.load(kz_ptr + at, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            at = page.to(tl.int64)[:, None] * DK + dk[None, :]
+            k_scale = tl.load(ks_ptr + at, mask=k_mask, other=0.0).to(tl.float32)
+            k = k * k_scale + tl.load(kz_ptr + at, mask=k_mask, other=0.0).to(tl.float32)
+        v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]
+        v_scale = tl.load(vs_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
+        v = _codes(v_ptr, slot, dv, v_mask, DV * BITS // 8, BITS) * v_scale
+        v = v + tl.load(vz_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
+    return k, v
 
 
-@jit
-def _split_kernel(
+# ---------------------------------------------------------------------------------------------- kernels
+def _split_kernel_fn(
     q_ptr,
-    kv,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
     pos_ptr,
     valid_ptr,
     table_ptr,
@@ -188,58 +179,102 @@ def _split_kernel(
     n_sink,
     window,
     sliding_window,
-    scale,
+    qk_scale,
     G: tl.constexpr,
     Q: tl.constexpr,
     PAGE: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_LEN: tl.constexpr,
     HAS_FULL: tl.constexpr,
     HAS_SLIDING: tl.constexpr,
-    QK_PRECISION: tl.constexpr,
-    PV_PRECISION: tl.constexpr,
-    LOAD_KV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Program ``(b * H + h, split, row tile)``: the split's partial attention of rows ``r`` of KV head ``h``
-    (query head ``h * G + r // Q``, token ``r % Q``) over the pages of table row ``(b, h)``, whose K/V the jitted
-    ``LOAD_KV`` reads from the tuple ``kv`` (identity pages: :func:`load_kv`; quantised: ``decode_quant``)."""
+    (query head ``h * G + r // Q``, token ``r % Q``) over the slots of table row ``(b, h)``; ``qk_scale`` is the
+    logit scale times ``log2(e)`` (the softmax runs in base 2)."""
     bh = tl.program_id(0)
-    b, h = bh // H, bh % H
+    b = bh // H
+    h = bh % H
     rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < G * Q
     qi = rows % Q
-    qpos_rows = tl.load(qpos_ptr + qi)
-    qpos_last = tl.load(qpos_ptr + Q - 1)
-    dk, dv = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
-    dk_ok, dv_ok = dk < DK, dv < DV
+    qpos_rows = tl.load(qpos_ptr + qi).to(tl.int32)
+    qpos_last = tl.load(qpos_ptr + Q - 1).to(tl.int32)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
     q_rows = b.to(tl.int64) * stride_qb + (h * G + rows // Q) * stride_qh + qi * stride_qt
-    q = tl.load(q_ptr + q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & dk_ok[None, :], other=0.0)
-    q = q.to(tl.float32)
-    row_start = tl.load(row_start_ptr + b) if HAS_FULL else 0
-    lo, hi = _split_bounds(len_ptr, bh, n_table, num_splits, PAGE, BLOCK_N, HAS_LEN)
+    q = tl.load(q_ptr + q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
+    q = q.to(DOT_DTYPE)
+    row_start = tl.load(row_start_ptr + b).to(tl.int32) if HAS_FULL else 0
+    if HAS_LEN:
+        n_slots = tl.load(len_ptr + bh).to(tl.int32) * PAGE
+    else:
+        n_slots = n_table * PAGE
+    per_split = tl.cdiv(tl.cdiv(n_slots, num_splits), BLOCK_N) * BLOCK_N
+    lo = tl.program_id(1) * per_split
+    hi = tl.minimum(lo + per_split, n_slots)
+    row_table = table_ptr + bh.to(tl.int64) * n_table
+    full_row = full_ptr + bh.to(tl.int64) * n_table
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     count = tl.zeros([BLOCK_N], tl.int32)
     for start in range(lo, hi, BLOCK_N):
-        page, slot, pos, ok = _slot_block(
-            start, hi, bh, table_ptr, full_ptr, pos_ptr, valid_ptr, n_table, row_start, qpos_last, n_sink, window,
+        page, slot, load, ok, pos = _tile(
+            start, hi, row_table, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
             PAGE, BLOCK_N, HAS_FULL,
         )  # fmt: skip
-        k_mask, v_mask = ok[:, None] & dk_ok[None, :], ok[:, None] & dv_ok[None, :]
-        k, v = LOAD_KV(kv, page, slot, dk, dv, k_mask, v_mask, DK, DV, BITS, GROUP)
-        m_i, l_i, acc = _attend_block(
-            q, k, v, pos, ok, qpos_rows, m_i, l_i, acc, scale, sliding_window, HAS_SLIDING, QK_PRECISION, PV_PRECISION
-        )
-        count += _count_last(pos, ok, qpos_last, sliding_window, HAS_SLIDING)
-    _store_split(o_ptr, lse_ptr, count_ptr, rows, row_ok, dv, dv_ok, m_i, l_i, acc, count, G * Q, DV)
+        k, v = _load_kv(
+            k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, page, slot, load, dk, dv,
+            DK, DV, BLOCK_DK, BLOCK_DV, PAGE, BLOCK_N, BITS, GROUP,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        attend = ok[None, :] & (pos[None, :] <= qpos_rows[:, None])
+        if HAS_SLIDING:
+            attend = attend & (qpos_rows[:, None] - pos[None, :] < sliding_window)
+        s = tl.where(attend, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        v = tl.where(ok[:, None], v.to(DOT_DTYPE), 0.0)  # slots not read may hold anything, even NaN
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        last = ok & (pos <= qpos_last)
+        if HAS_SLIDING:
+            last = last & (qpos_last - pos < sliding_window)
+        count += last.to(tl.int32)
+    split, num = tl.program_id(1), tl.num_programs(1)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    lse = tl.where(l_i > 0, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
+    part = (bh * num + split).to(tl.int64) * (G * Q) + rows
+    tl.store(o_ptr + part[:, None] * DV + dv[None, :], o, mask=row_ok[:, None] & (dv < DV)[None, :])
+    tl.store(lse_ptr + part, lse, mask=row_ok)
+    if tl.program_id(2) == 0:
+        tl.store(count_ptr + bh * num + split, tl.sum(count, 0))
+
+
+_split_kernel = jit(_split_kernel_fn)
+_split_kernel_tuned = None  # on CUDA: the same kernel autotuned over tile sizes, warps and pipeline stages
+if HAVE_TRITON and not interpreted(_split_kernel):
+    _split_kernel_tuned = triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+            for n, w, s in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
+                            (128, 8, 3))
+        ],  # fmt: skip
+        key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL"],
+    )(triton.jit(_split_kernel_fn))
 
 
 @jit
@@ -291,78 +326,156 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-@dataclass
-class SplitLaunch:
-    """A validated decode launch, identity or quantised pages alike: the split kernel's arguments after the K/V
-    tuple (``args``, ``constexprs``), its grid and the partial buffers the merge reads."""
+def auto_splits(device: torch.device, programs: int, n_slots: int) -> int:
+    """Splits of each table row: enough stage-1 programs for ``_PROGRAMS_PER_SM`` per SM on CUDA (``programs``:
+    those of one split), each reading at least ``_MIN_SPLIT_SLOTS`` slots; 1 elsewhere (the interpreter runs
+    programs one by one)."""
+    if device.type != "cuda" or programs == 0:
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(cdiv(_PROGRAMS_PER_SM * sms, programs), _MAX_SPLITS, cdiv(n_slots, _MIN_SPLIT_SLOTS)))
 
-    query: torch.Tensor
-    shape: tuple[int, int, int, int, int]  # B, H, G, q, Dv
-    grid: tuple[int, int, int]
-    args: tuple
-    constexprs: dict
-    o_part: torch.Tensor
-    lse_part: torch.Tensor
-    counts: torch.Tensor
-    empty: bool  # no table entries: the split kernel has nothing to read
 
-    def launch(self, kv: tuple[torch.Tensor, ...], load_kv, bits: int = 0, group: int = 1) -> None:
-        """Run the split kernel with K/V tensors ``kv`` read by the jitted ``load_kv`` (``bits``, ``group``: its
-        layout constants), or fill empty partials when there is nothing to read."""
-        if self.empty:
-            self.o_part.zero_()
-            self.lse_part.fill_(float("-inf"))
-            self.counts.zero_()
-            return
-        check_launchable(_split_kernel, self.query.device)
-        _split_kernel[self.grid](self.query, kv, *self.args, **self.constexprs, LOAD_KV=load_kv, BITS=bits, GROUP=group)
+def _dot_dtype(dtype: torch.dtype, interpreter: bool):
+    """Operand dtype of the kernel's dots: the model's 16-bit dtype (tensor cores, float32 accumulation), float32 for
+    float32 models and for bfloat16 under the interpreter (whose bfloat16 dot is wrong in triton 3.9)."""
+    if dtype == torch.float16:
+        return tl.float16
+    return tl.bfloat16 if dtype == torch.bfloat16 and not interpreter else tl.float32
 
-    def merge(self, sinks: torch.Tensor | None, attended: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merge the splits (and sinks) into ``o [B, Hq, q, Dv]`` and ``lse [B, Hq, q]``; fill ``attended``."""
-        b, h, g, q, dv = self.shape
-        splits, rows = self.grid[1], g * q
-        dev = self.query.device
-        o = torch.empty(b, h * g, q, dv, dtype=torch.float32, device=dev)
-        lse = torch.empty(b, h * g, q, dtype=torch.float32, device=dev)
-        check_launchable(_merge_kernel, dev)
-        _merge_kernel[(b * h * rows,)](
-            self.o_part, self.lse_part, self.lse_part if sinks is None else sinks, o, lse, h, splits,
-            R=rows, G=g, Q=q, DV=dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(dv)),
-            HAS_SINKS=sinks is not None,
+
+def v_dim_of(v: torch.Tensor, bits: int) -> int:
+    """Value head dim of the value field ``v`` (codes of ``bits`` bits when ``bits > 0``)."""
+    return v.shape[-1] * 8 // bits if bits else v.shape[-1]
+
+
+def _launch(
+    query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
+    scale, n_sink, window, sliding_window, bits, group, num_splits,
+):  # fmt: skip
+    """Both stages on tensors already checked by the public wrappers: ``(o, lse, attended)``."""
+    b, hq, q, dk = query.shape
+    h, n = pages.shape[1], pages.shape[2]
+    page = pos.shape[1]
+    dv, dev = v_dim_of(v, bits), query.device
+    g, rows = hq // h, hq // h * q
+    block_r = min(_MAX_BLOCK_R, max(16, next_power_of_2(rows)))
+    row_tiles = cdiv(rows, block_r)
+    n_slots = n * page
+    if num_splits <= 0:
+        num_splits = auto_splits(dev, b * h * row_tiles, n_slots)
+    splits = max(1, min(num_splits, cdiv(n_slots, 16)))
+    o_part = torch.empty(b * h, splits, rows, dv, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(b * h, splits, rows, dtype=torch.float32, device=dev)
+    counts = torch.empty(b * h, splits, dtype=torch.int32, device=dev)
+    if n_slots == 0 or b * h == 0:  # nothing to read: empty partials (the sinks still merge)
+        o_part.zero_()
+        lse_part.fill_(float("-inf"))
+        counts.zero_()
+    else:
+        check_launchable(_split_kernel, dev)
+        if page_full is not None and row_start is None:
+            row_start = torch.zeros(b, dtype=torch.int64, device=dev)
+        unused = pages  # pointer of an absent optional input (its constexpr switch keeps it unread)
+        tuned = _split_kernel_tuned is not None and n_slots >= _TUNE_FROM_SLOTS
+        kernel = _split_kernel_tuned if tuned else _split_kernel
+        dot_dtype = _dot_dtype(query.dtype, interpreted(_split_kernel))
+        fixed = {} if tuned else dict(BLOCK_N=_BLOCK_N, num_warps=4, num_stages=2)
+        kernel[(b * h, splits, row_tiles)](
+            query, k, v, *(unused if t is None else t for t in (k_scale, k_zero, v_scale, v_zero)),
+            pos, valid.view(torch.uint8), pages, unused if lengths is None else lengths,
+            unused if page_full is None else page_full.view(torch.uint8), unused if row_start is None else row_start,
+            qpos, o_part, lse_part, counts, query.stride(0), query.stride(1), query.stride(2), h, n, splits,
+            n_sink, window, sliding_window, scale * _LOG2E,
+            G=g, Q=q, PAGE=page, DK=dk, DV=dv, BLOCK_R=block_r,
+            BLOCK_DK=max(16, next_power_of_2(dk)), BLOCK_DV=max(16, next_power_of_2(dv)),
+            HAS_LEN=lengths is not None, HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window > 0,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", BITS=bits,
+            GROUP=max(group, 1),
+            **fixed,
         )  # fmt: skip
-        if attended is not None:
-            torch.sum(self.counts.view(b, h, splits), dim=-1, out=attended)
-        return o, lse
+    o = torch.empty(b, hq, q, dv, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, hq, q, dtype=torch.float32, device=dev)
+    check_launchable(_merge_kernel, dev)
+    _merge_kernel[(b * h * rows,)](
+        o_part, lse_part, lse_part if sinks is None else sinks, o, lse, h, splits,
+        R=rows, G=g, Q=q, DV=dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(dv)),
+        HAS_SINKS=sinks is not None,
+    )  # fmt: skip
+    return o, lse, counts.view(b, h, splits).sum(-1)
 
 
-def prepare_split_launch(
+def _reference_op(
+    query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
+    scale, n_sink, window, sliding_window, bits, group, num_splits,
+):  # fmt: skip
+    """The operator in torch (CPU without the Triton interpreter): :func:`decode_attention_reference` on the stored
+    or dequantised pages, and the slots the last query attends."""
+    if bits:
+        from pikv_hf.kernels.decode_quant import QuantPages, dequantize_pages
+
+        k, v = dequantize_pages(QuantPages(k, k_scale, k_zero, v, v_scale, v_zero, bits))
+    window_arg = sliding_window if sliding_window > 0 else None
+    ok, pos_s = _reference_slots(pos, valid, pages, qpos, page_full, n_sink, window, row_start, lengths)
+    o, lse = decode_attention_reference(
+        query, k, v, pos, valid, pages, qpos, scale, page_full, n_sink, window, row_start, lengths, window_arg, sinks
+    )
+    attended = allowed_mask(ok, pos_s, qpos[-1:], window_arg)[:, :, 0].sum(-1)
+    return o, lse, attended
+
+
+_SCHEMA = (
+    "(Tensor query, Tensor k, Tensor v, Tensor? k_scale, Tensor? k_zero, Tensor? v_scale, Tensor? v_zero, "
+    "Tensor pos, Tensor valid, Tensor pages, Tensor qpos, Tensor? page_full, Tensor? row_start, Tensor? lengths, "
+    "Tensor? sinks, float scale, int n_sink, int window, int sliding_window, int bits, int group, int num_splits) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+paged_decode = torch.library.custom_op("pikv::paged_decode", _launch, mutates_args=(), device_types="cuda",
+                                       schema=_SCHEMA)  # fmt: skip
+paged_decode.__doc__ = """``torch.ops.pikv.paged_decode``: both stages of the fused decode as one operator (the
+arguments of :func:`decode_attention`, ``k`` / ``v`` the stored fields or, with ``bits > 0``, the codes of
+``decode_quant`` with their scales and zeros; ``sliding_window`` 0: none; ``num_splits`` 0: chosen on the host) ->
+``(o [B, Hq, q, Dv], lse [B, Hq, q], attended [B, H])``. No argument is checked here: call the wrappers."""
+
+
+@paged_decode.register_kernel("cpu")
+def _paged_decode_cpu(*args):
+    return (_launch if interpreted(_split_kernel) else _reference_op)(*args)
+
+
+@paged_decode.register_fake
+def _paged_decode_fake(query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, *rest):
+    bits = rest[-3]
+    b, hq, q, _ = query.shape
+    dv = v_dim_of(v, bits)
+    return (
+        query.new_empty(b, hq, q, dv, dtype=torch.float32),
+        query.new_empty(b, hq, q, dtype=torch.float32),
+        query.new_empty(b, pages.shape[1], dtype=torch.int64),
+    )
+
+
+def check_decode_args(
     query: torch.Tensor,
     pos: torch.Tensor,
     valid: torch.Tensor,
     pages: torch.Tensor,
     qpos: torch.Tensor,
-    scale: float,
-    v_dim: int,
     page_full: torch.Tensor | None,
-    n_sink: int,
-    window: int,
     row_start: torch.Tensor | None,
     lengths: torch.Tensor | None,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
     attended: torch.Tensor | None,
-    num_splits: int | None,
     check: bool,
-    keys_16bit: bool,
-) -> SplitLaunch:
-    """Check the arguments every decode kernel shares (see :func:`decode_attention`) and size the launch from their
-    shapes alone. Dot precision: ``ieee`` for float32 models; else ``q . k`` in ``tf32`` when the keys are 16-bit
-    floats (exact: their products fit) and ``tf32x3`` when they are dequantised, ``p @ v`` in ``tf32x3``."""
+) -> None:
+    """Check the arguments every decode kernel shares (see :func:`decode_attention`); shapes, dtypes and strides only,
+    except the id checks of ``check``."""
     dev = query.device
     expect("query", query, (None,) * 4, _FLOAT, dev, contiguous=False)
     if query.stride(-1) != 1:
         raise ValueError(f"query [B, Hq, q, Dk] must have a unit stride on its last dim; got strides {query.stride()}")
-    b, hq, q, dk = query.shape
+    b, hq, q, _ = query.shape
     expect("pages", pages, (b, None, None), _INT, dev)
     h, n = pages.shape[1], pages.shape[2]
     if h == 0 or hq % h:
@@ -387,39 +500,38 @@ def prepare_split_launch(
         check_pages_in_range(pages, num_pages, "page table ids")
         if lengths is not None and lengths.numel() and bool(((lengths < 0) | (lengths > n)).any()):
             raise IndexError(f"lengths must be in [0, {n}] (the table width)")
-    g, rows = hq // h, hq // h * q
-    block_r = min(_MAX_BLOCK_R, max(16, next_power_of_2(rows)))
-    block_n = min(_MAX_BLOCK_N, max(16, next_power_of_2(n * page)))
-    row_tiles = cdiv(rows, block_r)
-    if num_splits is None:  # two programs per SM on CUDA; the interpreter runs programs one by one
-        num_splits = 1
-        if dev.type == "cuda":
-            sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
-            num_splits = cdiv(2 * sms, b * h * row_tiles)
-    splits = max(1, min(num_splits, cdiv(n * page, block_n)))
-    if row_start is None and page_full is not None:
-        row_start = torch.zeros(b, dtype=torch.int64, device=dev)
-    o_part = torch.empty(b * h, splits, rows, v_dim, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(b * h, splits, rows, dtype=torch.float32, device=dev)
-    counts = torch.empty(b * h, splits, dtype=torch.int32, device=dev)
-    fp32 = query.dtype == torch.float32
-    unused = pages  # pointer of an absent optional input (its constexpr switch keeps it unread)
-    args = (
-        pos, valid.view(torch.uint8), pages, unused if lengths is None else lengths,
-        unused if page_full is None else page_full.view(torch.uint8), unused if row_start is None else row_start,
-        qpos, o_part, lse_part, counts, query.stride(0), query.stride(1), query.stride(2), h, n, splits,
-        int(n_sink), int(window), 0 if sliding_window is None else int(sliding_window), float(scale),
+
+
+def run_decode(
+    query: torch.Tensor,
+    fields: tuple[torch.Tensor | None, ...],
+    bits: int,
+    group: int,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    pages: torch.Tensor,
+    qpos: torch.Tensor,
+    scale: float,
+    page_full: torch.Tensor | None,
+    n_sink: int,
+    window: int,
+    row_start: torch.Tensor | None,
+    lengths: torch.Tensor | None,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+    attended: torch.Tensor | None,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call the operator on checked arguments; ``fields = (k, v, k_scale, k_zero, v_scale, v_zero)`` (the last four
+    None for stored pages); fill ``attended``."""
+    k, v, k_scale, k_zero, v_scale, v_zero = fields
+    o, lse, counted = paged_decode(
+        query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
+        float(scale), int(n_sink), int(window), int(sliding_window or 0), bits, group, int(num_splits or 0),
     )  # fmt: skip
-    constexprs = dict(
-        G=g, Q=q, PAGE=page, DK=dk, DV=v_dim, BLOCK_R=block_r, BLOCK_N=block_n,
-        BLOCK_DK=max(16, next_power_of_2(dk)), BLOCK_DV=max(16, next_power_of_2(v_dim)),
-        HAS_LEN=lengths is not None, HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window is not None,
-        QK_PRECISION="ieee" if fp32 else "tf32" if keys_16bit else "tf32x3", PV_PRECISION="ieee" if fp32 else "tf32x3",
-    )  # fmt: skip
-    return SplitLaunch(
-        query, (b, h, g, q, v_dim), (b * h, splits, row_tiles), args, constexprs, o_part, lse_part, counts,
-        empty=n * page == 0,
-    )  # fmt: skip
+    if attended is not None:
+        attended.copy_(counted)
+    return o, lse
 
 
 def decode_attention(
@@ -442,7 +554,8 @@ def decode_attention(
     num_splits: int | None = None,
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a few query tokens over the pool pages a page table names, read in place (Triton).
+    """Attention of a few query tokens over the pool pages a page table names, read in place (Triton, through
+    ``torch.ops.pikv.paged_decode``).
 
     Parameters
     ----------
@@ -475,7 +588,7 @@ def decode_attention(
     attended : torch.Tensor, optional
         ``[B, H]`` int64 output: slots the last query token attends per (row, KV head), computed on the device.
     num_splits : int, optional
-        Splits of each table row (default: enough programs for two per SM on CUDA, 1 elsewhere).
+        Splits of each table row (default: enough programs for a few per SM on CUDA, 1 elsewhere).
     check : bool
         Check that the table ids are in ``[-1, N)`` and ``lengths`` in ``[0, n]`` before launch; this reads them (a
         host sync on CUDA), so an asynchronous caller that built them itself passes False.
@@ -486,15 +599,15 @@ def decode_attention(
         ``o [B, Hq, q, Dv]`` float32 (zeros for a query with nothing to attend) and ``lse [B, Hq, q]`` float32
         (``-inf`` there), equal to :func:`decode_attention_reference`.
     """
-    launch = prepare_split_launch(
-        query, pos, valid, pages, qpos, scale, values.shape[-1], page_full, n_sink,
-        window, row_start, lengths, sliding_window, sinks, attended, num_splits, check, keys_16bit=True,
-    )  # fmt: skip
+    check_decode_args(query, pos, valid, pages, qpos, page_full, row_start, lengths, sliding_window, sinks, attended,
+                      check)  # fmt: skip
     num_pages, page = pos.shape
     expect("keys", keys, (num_pages, page, query.shape[-1]), (query.dtype,), query.device)
     expect("values", values, (num_pages, page, None), (query.dtype,), query.device)
-    launch.launch((keys, values), load_kv)
-    return launch.merge(sinks, attended)
+    return run_decode(
+        query, (keys, values, None, None, None, None), 0, 1, pos, valid, pages, qpos, scale, page_full, n_sink,
+        window, row_start, lengths, sliding_window, sinks, attended, num_splits,
+    )  # fmt: skip
 
 
 def decode_attention_reference(

@@ -21,8 +21,9 @@ one dtype and the kernel dequantises in float32 either way.
 
 Dequantised: ``k[n, t, c] = code * k_scale[n, c] + k_zero[n, c]`` and
 ``v[n, t, c] = code * v_scale[n, t, c // G] + v_zero[n, t, c // G]`` (asymmetric: ``zero`` is the range minimum,
-``scale = (max - min) / (2**b - 1)``). The kernel is ``decode.py``'s split kernel with the dequantising K/V loads
-of :func:`load_quant_kv`; its torch reference is ``decode_attention_reference(query, *dequantize_pages(quant), ...)``.
+``scale = (max - min) / (2**b - 1)``). The kernel is ``decode.py``'s (``BITS > 0``): it reads the codes, dequantises
+them in registers and rounds them to the query's dtype for the tensor-core dots (float32 models: float32); its torch
+reference is ``decode_attention_reference(query, *dequantize_pages(quant), ...)``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from pikv_hf.kernels._host import expect
-from pikv_hf.kernels._triton import jit, tl
-from pikv_hf.kernels.decode import prepare_split_launch
+from pikv_hf.kernels.decode import check_decode_args, run_decode
 
 BITS = (2, 4, 8)
 SCALE_DTYPES = (torch.float32, torch.float16)
@@ -163,39 +163,6 @@ def dequantize_pages(quant: QuantPages) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------- kernel
-@jit
-def _codes(codes_ptr, slot, c, mask, BYTES: tl.constexpr, BITS: tl.constexpr):
-    """``[BLOCK_N, BLOCK_D]`` float32 codes of channels ``c`` of flat slots ``slot``."""
-    byte = tl.load(codes_ptr + slot[:, None] * BYTES + (c // (8 // BITS))[None, :], mask=mask, other=0)
-    return ((byte.to(tl.int32) >> ((c % (8 // BITS)) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-
-
-@jit
-def load_quant_kv(
-    kv,
-    page,
-    slot,
-    dk,
-    dv,
-    k_mask,
-    v_mask,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    """The split kernel's ``LOAD_KV`` for quantised pages ``kv = (kq, k_scale, k_zero, vq, v_scale, v_zero)``:
-    float32 keys ``[BLOCK_N, BLOCK_DK]`` and values ``[BLOCK_N, BLOCK_DV]`` dequantised in registers."""
-    k_at = page[:, None] * DK + dk[None, :]  # per page and channel
-    k_scale = tl.load(kv[1] + k_at, mask=k_mask, other=0.0).to(tl.float32)
-    k = _codes(kv[0], slot, dk, k_mask, DK * BITS // 8, BITS) * k_scale
-    k += tl.load(kv[2] + k_at, mask=k_mask, other=0.0).to(tl.float32)
-    v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]  # per token and group of channels
-    v_scale = tl.load(kv[4] + v_at, mask=v_mask, other=0.0).to(tl.float32)
-    v = _codes(kv[3], slot, dv, v_mask, DV * BITS // 8, BITS) * v_scale
-    return k, v + tl.load(kv[5] + v_at, mask=v_mask, other=0.0).to(tl.float32)
-
-
 def decode_attention_quant(
     query: torch.Tensor,
     quant: QuantPages,
@@ -219,10 +186,8 @@ def decode_attention_quant(
     layout of the module docstring, on the query's device) in place of ``keys`` / ``values``; the other arguments
     and the result are the same."""
     _check_bits(quant.bits)
-    launch = prepare_split_launch(
-        query, pos, valid, pages, qpos, scale, quant.v_dim, page_full, n_sink, window, row_start, lengths,
-        sliding_window, sinks, attended, num_splits, check, keys_16bit=False,
-    )  # fmt: skip
+    check_decode_args(query, pos, valid, pages, qpos, page_full, row_start, lengths, sliding_window, sinks, attended,
+                      check)  # fmt: skip
     n, p = pos.shape
     dk, dv, dev = query.shape[-1], quant.v_dim, query.device
     f32 = (quant.k_scale.dtype,) if quant.k_scale.dtype in SCALE_DTYPES else SCALE_DTYPES
@@ -234,5 +199,8 @@ def decode_attention_quant(
         raise ValueError(f"v_scale must be [N, P, Dv // G] with G dividing Dv = {dv}; got {list(quant.v_scale.shape)}")
     expect("v_scale", quant.v_scale, (n, p, dv // quant.group), f32, dev)
     expect("v_zero", quant.v_zero, (n, p, dv // quant.group), f32, dev)
-    launch.launch(quant.fields(), load_quant_kv, quant.bits, quant.group)
-    return launch.merge(sinks, attended)
+    fields = (quant.kq, quant.vq, quant.k_scale, quant.k_zero, quant.v_scale, quant.v_zero)
+    return run_decode(
+        query, fields, quant.bits, quant.group, pos, valid, pages, qpos, scale, page_full, n_sink, window, row_start,
+        lengths, sliding_window, sinks, attended, num_splits,
+    )  # fmt: skip
