@@ -64,8 +64,7 @@ bench-store: $(STAMP)
 
 # Prefill peak memory of SmolLM2 at 8k, 256 key-cluster shards, pages of 1, against a DynamicCache (~2 min)
 bench-memory: $(STAMP)
-	$(PY) benchmarks/bench_memory.py --context 8192 --shards 256 --page-size 1 \
-		--out benchmarks/results/prefill_memory_cpu.json
+	$(PY) benchmarks/bench_memory.py --context 8192 --batch 4 --out benchmarks/results/prefill_memory_cpu.json
 
 # Scheduling presses: KV bytes after every press x ratio against (1 - r) x DynamicCache at 2k, and H2O held to a
 # 1024-token budget over 8192 decode steps (bytes and step time every 500 steps, ~10 min)

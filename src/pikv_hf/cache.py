@@ -230,6 +230,9 @@ class PiKVCache(ForwardAwareCache):
         outer = self._forwards.pop() if self._forwards else ForwardState()
         f = self._forward
         f.active, f.pikv, f.present = outer.active, outer.pikv, outer.present
+        if not f.active:  # the outermost forward ended: its temporaries go (LayerEdits.end_forward)
+            for layer in self.layers:
+                layer.end_forward()
 
     def enable_stats(self) -> None:
         """Track per-slot attention statistics in every layer from now on (presses that score from them turn this

@@ -62,6 +62,17 @@ class LayerEdits:
             self.read_stats.add(self.store.device, dense_passes=1)
         return torch.exp(logits - lse).to(query.dtype)
 
+    def end_forward(self) -> None:
+        """The model forward ended (also by an exception): drop what only it needed, so that the layer references
+        nothing beyond its stores between forwards: the latest view, the new tokens' positions and the K/V of a first
+        chunk not attended yet. A head-wise press's masks left on the attention module for the next forward keep the
+        view's positions as their index space (``apply_head_masks``)."""
+        self._last_qpos = self._fresh_kv = None
+        pos = self.views.release()
+        if pos is not None and self._index_pos is None:
+            if getattr(self.attention_module(), "masked_key_indices", None) is not None:
+                self._index_pos = pos
+
     # ------------------------------------------------------------------ what presses act through
     def view(self) -> DenseView | None:
         """The position-ordered copy of the stored tokens (taken once per write; None before the first update)."""

@@ -51,7 +51,7 @@ def _leaves(cache: PiKVCache) -> dict[str, torch.Tensor]:
             raise ValueError(f"layer {i} of the PiKVCache holds no tokens yet: export the decode step after a prefill")
         out.update({f"{i}.pool.{n}": t for n, t in st.pool.fields.items()})
         out.update({f"{i}.table.{n}": getattr(st.table, n) for n in _TABLE})
-        out.update({f"{i}.stats.{n}": getattr(st.stats, n) for n in _STATS})
+        out.update({f"{i}.stats.{n}": getattr(st.stats, n) for n in _STATS if getattr(st.stats, n) is not None})
         out[f"{i}.evicted"] = layer.evicted
         if layer._seen_t is not None:
             out[f"{i}.seen"] = layer._seen_t

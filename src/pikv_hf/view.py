@@ -17,6 +17,8 @@ Keys and values are applied together, once both arrived (or at the next access),
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,6 +44,7 @@ class ViewedLayer(Protocol):
     def write_values(self, view: DenseView, index: torch.Tensor, values: torch.Tensor) -> None: ...
     def apply_head_masks(self, masks, view: DenseView | None = None) -> None: ...
     def attention_module(self) -> torch.nn.Module | None: ...
+
 
 _INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -183,9 +186,21 @@ class LayerViews:
     come from one snapshot) and the interpretation of assignments to it."""
 
     def __init__(self, layer: ViewedLayer) -> None:
-        self.layer = layer
+        # a weak reference: the layer holds this object, and a cycle would keep the layer's tensors alive after the
+        # cache is deleted, until Python's cycle collector happens to run (GPU memory is not what triggers it)
+        self._layer = weakref.ref(layer)
         self._view: DenseView | None = None
         self._pending: dict[str, tuple] = {}  # assignments to keys / values waiting for their partner
+
+    @property
+    def layer(self) -> ViewedLayer:
+        return self._layer()
+
+    def __deepcopy__(self, memo: dict) -> LayerViews:
+        """A copy serving the copy of the layer (``PiKVCache.fork`` deep-copies the layer, which it is in ``memo``)."""
+        new = LayerViews(memo.get(id(self.layer), self.layer))
+        new._view, new._pending = copy.deepcopy(self._view, memo), copy.deepcopy(self._pending, memo)
+        return new
 
     def touch(self) -> None:
         """Mark a write: the view taken before it no longer describes the store (its index tensors are kept:
@@ -197,6 +212,16 @@ class LayerViews:
     def reset(self) -> None:
         self._view = None
         self._pending.clear()
+
+    def release(self) -> torch.Tensor | None:
+        """Drop the latest view at the end of a model forward (its keys and values, when nothing wrote since, and its
+        int64 ``frame_index``, ``pos`` and ``shard``: 24 bytes per stored token and KV head), unless an assignment
+        still waits for its partner. Returns the view's ``pos`` (``[B, H, T]``, None if no view was dropped): the
+        index space of head masks a press left on the attention module for the next forward."""
+        if self._pending or self._view is None:
+            return None
+        v, self._view = self._view, None
+        return v.pos
 
     @property
     def latest(self) -> DenseView | None:

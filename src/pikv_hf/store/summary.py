@@ -15,16 +15,28 @@ from pikv_hf.routing.base import ShardSummary
 
 
 class ShardStats:
-    """``[B, H, S, Dk]`` float32 sums / squares / min / max and ``[B, H, S]`` int64 counts of the valid keys."""
+    """``[B, H, S, Dk]`` float32 sums / squares / min / max and ``[B, H, S]`` int64 counts of the valid keys.
+
+    The four key statistics are allocated when first kept (:meth:`add` with keys, :meth:`add_one`, :meth:`recount`):
+    a store nobody selects shards of keeps only counts, and 4 x ``S x Dk`` floats per (row, head) are a quarter of
+    a 4k-token fp16 KV at 256 shards.
+    """
+
+    _KEY_STATS = ("sum", "sq", "min", "max")
 
     def __init__(self, batch: int, heads: int, num_shards: int, k_dim: int, device: torch.device) -> None:
-        shape = (batch, heads, num_shards)
-        self.sum = torch.zeros(*shape, k_dim, device=device)
-        self.sq = torch.zeros_like(self.sum)
-        self.count = torch.zeros(shape, dtype=torch.int64, device=device)
-        self.min = torch.full_like(self.sum, float("inf"))
-        self.max = torch.full_like(self.sum, float("-inf"))
+        self.k_dim = k_dim
+        self.count = torch.zeros(batch, heads, num_shards, dtype=torch.int64, device=device)
+        self.sum = self.sq = self.min = self.max = None
         self._resident: torch.Tensor | None = None  # every shard resident (a store holds its own pages)
+
+    def _keep_keys(self) -> None:
+        """Allocate the key statistics (empty: zero sums, +inf / -inf bounds) unless kept already."""
+        if self.sum is None:
+            self.sum = self.count.new_zeros(*self.count.shape, self.k_dim, dtype=torch.float32)
+            self.sq = torch.zeros_like(self.sum)
+            self.min = torch.full_like(self.sum, float("inf"))
+            self.max = torch.full_like(self.sum, float("-inf"))
 
     def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1, counts_only: bool = False) -> None:
         """Fold ``[M, Dk]`` keys of flat ``(row, head, shard)`` ids ``bhs`` (``[M]``) in (``sign=1``) or out
@@ -32,6 +44,7 @@ class ShardStats:
         if counts_only:
             self.count.view(-1).index_add_(0, bhs, torch.ones_like(bhs), alpha=sign)
             return
+        self._keep_keys()
         k = keys.float()
         d = k.shape[-1]
         self.sum.view(-1, d).index_add_(0, bhs, k, alpha=sign)
@@ -45,6 +58,7 @@ class ShardStats:
     def add_one(self, shard: torch.Tensor, keys: torch.Tensor) -> None:
         """Fold in one new key per (row, head): ``shard`` ``[B, H, 1]``, ``keys`` ``[B, H, 1, Dk]`` (a decode step; one
         scatter per statistic)."""
+        self._keep_keys()
         k = keys.float()
         at = shard.unsqueeze(-1).expand(*shard.shape, k.shape[-1])
         self.sum.scatter_add_(2, at, k)
@@ -57,6 +71,7 @@ class ShardStats:
         """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat
         ``(row, head, shard)`` id of each page ``bhs`` ``[N]``. Counts are the caller's; min / max are kept (after a
         removal they still bound the keys) unless ``bounds`` asks for them anew."""
+        self._keep_keys()
         k = keys.float() * valid.unsqueeze(-1)
         d = k.shape[-1]
         self.sum.zero_().view(-1, d).index_add_(0, bhs, k.sum(1))
@@ -69,11 +84,13 @@ class ShardStats:
             self.max.fill_(float("-inf")).view(-1, d).scatter_reduce_(0, idx, hi, "amax")
 
     def index_batch(self, index: torch.Tensor) -> None:
-        for name in ("sum", "sq", "count", "min", "max"):
-            setattr(self, name, getattr(self, name).index_select(0, index))
+        for name in ("count", *self._KEY_STATS):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).index_select(0, index))
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The shards as a selector sees them (every shard is resident: no offload tier yet)."""
+        self._keep_keys()
         n = self.count.clamp(min=1).unsqueeze(-1)
         centroids = self.sum / n
         if self._resident is None or self._resident.shape != self.count.shape:
@@ -89,4 +106,5 @@ class ShardStats:
         )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.sum, self.sq, self.count, self.min, self.max))
+        held = (self.count, *(getattr(self, name) for name in self._KEY_STATS))
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
