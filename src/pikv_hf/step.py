@@ -115,17 +115,19 @@ class DecodeStep:
         store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), x.qpos[-1:])
 
     def _record(self, group: StoreGroup, plans: list[ReadPlan], out: Partial, sparse: bool) -> None:
-        """Add one decode step's read to ``stats`` (tensor operations only)."""
+        """Add one decode step's read to ``stats``: per store one stack of its ``[B, H]`` counters and one sum (tensor
+        operations only; the hot store's row carries the slots attended)."""
         d = group.device
-        values = []
-        for s, plan in zip(group.stores, plans, strict=True):
-            stored = s.table.n_pages.sum()
-            read = stored if plan.exact else (plan.pages >= 0).sum()
-            page_bytes = s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages) if s in group.offloaded else 0
-            values.append(torch.stack([read, stored, s.stats.count.sum(), read * s.page_size, read * page_bytes]))
-        per_store = values[0] if len(values) == 1 else torch.stack([v.to(d) for v in values]).sum(0)
-        attended = out.attended.sum().view(1).to(d)
-        self.stats.add_step(torch.cat([attended, per_store.to(d)]), sparse, group.heads * group.batch)
+        self.stats.add_step(sparse, group.heads * group.batch, d)
+        for i, (s, plan) in enumerate(zip(group.stores, plans, strict=True)):
+            stored = s.table.n_pages
+            read = stored if plan.exact else (plan.pages >= 0).sum(-1)
+            rows = [read, stored, s.stats.count.sum(-1), read if s.page_size == 1 else read * s.page_size]
+            if s in group.offloaded:
+                rows.append(read * (s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages)))
+            if i == 0:
+                rows.insert(0, out.attended.to(s.device))
+            self.stats.add_counts("tokens_attended" if i == 0 else "pages_gathered", torch.stack(rows).sum((1, 2)), d)
 
     def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan, sparse: bool) -> None:
         """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from pikv_hf.read.plan import ReadPlan
+from pikv_hf.read.plan import ReadPlan, arange
 from pikv_hf.read.policy import SparseRead, register, special_pages
 from pikv_hf.routing.scores import upper_bounds
 from pikv_hf.store import PagedStore
@@ -30,9 +30,9 @@ class QuestRead(SparseRead):
         store.enable_page_bounds()
         key_min, key_max, count = store.page_bounds()
         special = special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
-        score = upper_bounds(qg, key_min, key_max, count).masked_fill(special, float("inf"))
-        budget = torch.ceil(store.table.n_pages * cfg.read_fraction).long()  # [B, H]
+        score = upper_bounds(qg, key_min, key_max, count).masked_fill_(special, float("inf"))
         width = min(store.table.width(), math.ceil(cfg.read_fraction * store.table.width()))
-        order = score.argsort(dim=-1, descending=True, stable=True)[..., :width]  # ties to the earlier page
-        take = (torch.arange(width, device=store.device) < budget.unsqueeze(-1)) & (count.gather(2, order) > 0)
-        return ReadPlan(torch.where(take, order, -1))
+        top, order = score.sort(dim=-1, descending=True, stable=True)  # ties to the earlier page
+        # past the (row, head)'s budget of ceil(read_fraction * n_pages) pages (i < ceil(x) iff i < x), or empty
+        over = arange(width, store.device) >= (store.table.n_pages * cfg.read_fraction).unsqueeze(-1)
+        return ReadPlan(order[..., :width].masked_fill(over | torch.isneginf(top[..., :width]), -1))

@@ -101,12 +101,10 @@ def upper_bounds(
     set (count 0) scores ``-inf``.
     """
     q = query.float()
-    empty = counts == 0
-    # Empty sets carry +-inf bounds: zero them so 0 * inf cannot turn the matmul into NaN.
-    key_max = key_max.float().masked_fill(empty[..., None], 0.0)
-    key_min = key_min.float().masked_fill(empty[..., None], 0.0)
-    bound = q.clamp(min=0) @ key_max.transpose(-1, -2) + q.clamp(max=0) @ key_min.transpose(-1, -2)
-    return bound.amax(dim=-2).masked_fill(empty, float("-inf"))
+    # Empty sets carry +-inf bounds (0 * inf makes their columns NaN): every entry of a product is its own dot
+    # product, so only their columns are touched, and those are set to -inf at the end.
+    bound = q.clamp(min=0) @ key_max.float().transpose(-1, -2) + q.clamp(max=0) @ key_min.float().transpose(-1, -2)
+    return bound.amax(dim=-2).masked_fill_(counts == 0, float("-inf"))
 
 
 def estimated_mass(query: torch.Tensor, summary: ShardSummary, scale: float) -> torch.Tensor:
