@@ -55,11 +55,15 @@ WAYS: dict[str, tuple[dict | None, bool]] = {
 GOALS = {"exact": 1.2, "routed": 1.6, "quest_1_8": 1.6, "quant4": 1.4, "quest_quant4": 1.6}
 
 
-def smollm2_shape(layers: int = 30, vocab: int = 49152) -> LlamaForCausalLM:
-    """A random-weight fp32 Llama of SmolLM2-135M's shape (``layers`` decoder layers)."""
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+               vocab_size=49152)  # fmt: skip
+
+
+def llama(layers: int = 30, **dims: int) -> LlamaForCausalLM:
+    """A random-weight fp32 Llama of SmolLM2-135M's shape with ``layers`` decoder layers (``dims`` override its
+    sizes: the operators a step dispatches do not depend on them)."""
     cfg = LlamaConfig(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=64, vocab_size=vocab, max_position_embeddings=8192, rope_theta=100000.0,
+        **{**SMOLLM2, **dims}, num_hidden_layers=layers, max_position_embeddings=8192, rope_theta=100000.0,
         tie_word_embeddings=True,
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
@@ -122,7 +126,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ops_per_step_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model = smollm2_shape(args.layers)
+    model = llama(args.layers)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
     counts = count_all(model, ids, args.ways, args.warmup)
     base = sum(counts["dynamic"].counts.values())

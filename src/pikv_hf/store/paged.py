@@ -232,7 +232,7 @@ class PagedStore:
         elif self._summarised:  # one token per (row, head): one scatter per statistic
             self.stats.add_one(shard, keys)
         else:  # counts only
-            self.stats.count.scatter_add_(2, shard, torch.ones_like(shard))
+            self.stats.add_count(shard)
         if self.page_bounds_kept:
             fold_page_bounds(self.pool, page, k)
         if q > 1:  # a chunk (or tokens moved in from another store) may hold sinks: found again when next asked

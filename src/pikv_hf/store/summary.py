@@ -25,6 +25,7 @@ class ShardStats:
         self.min = torch.full_like(self.sum, float("inf"))
         self.max = torch.full_like(self.sum, float("-inf"))
         self._resident: torch.Tensor | None = None  # every shard resident (a store holds its own pages)
+        self._ones: torch.Tensor | None = None  # [B, H, 1] int64 ones (add_count)
 
     def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1, counts_only: bool = False) -> None:
         """Fold ``[M, Dk]`` keys of flat ``(row, head, shard)`` ids ``bhs`` (``[M]``) in (``sign=1``) or out
@@ -49,9 +50,16 @@ class ShardStats:
         at = shard.unsqueeze(-1).expand(*shard.shape, k.shape[-1])
         self.sum.scatter_add_(2, at, k)
         self.sq.scatter_add_(2, at, k * k)
-        self.count.scatter_add_(2, shard, torch.ones_like(shard))
+        self.add_count(shard)
         self.min.scatter_reduce_(2, at, k, "amin")
         self.max.scatter_reduce_(2, at, k, "amax")
+
+    def add_count(self, shard: torch.Tensor) -> None:
+        """Count one new token per (row, head) in its shard ``shard`` (``[B, H, 1]``): one scatter of a ones tensor
+        kept per shape."""
+        if self._ones is None or self._ones.shape != shard.shape or self._ones.device != shard.device:
+            self._ones = torch.ones_like(shard)
+        self.count.scatter_add_(2, shard, self._ones)
 
     def recount(self, bhs: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, bounds: bool = False) -> None:
         """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat
