@@ -55,8 +55,8 @@ class SpecialSlots:
         # a sink can still arrive by a decode step only in a row whose newest token here is one of its first n_sink
         # (a store that holds none of a row's sinks and later tokens, such as the hot store beside a tier, is not
         # short); a chunk appended resets the slots (PagedStore.append)
-        young = torch.where(valid, rel, -1).amax(-1, keepdim=True) < n_sink - 1
-        short = bool(((sinks < 0) & young).any()) if n_sink else False
+        newest = torch.nn.functional.pad(torch.where(valid, rel, -1), (0, 1), value=-1).amax(-1, keepdim=True)
+        short = bool(((sinks < 0) & (newest < n_sink - 1)).any()) if n_sink else False
         reach = torch.tensor([_SINK_REACH] * n_sink + [window] * window, dtype=torch.int64, device=pos.device)
         return cls(
             n_sink, window, torch.cat([sinks, recent.flip(-1)], -1), torch.cat([sink_pos, recent_pos.flip(-1)], -1),
