@@ -16,9 +16,9 @@ import count_ops  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             vocab_size=256)  # fmt: skip
-# Ratio to DynamicCache's count that each way must stay under at 4 layers: the goal of issue 31 where it is reached
-# (count_ops.GOALS), else what this commit reaches (lower them as steps launch less).
-CEILINGS = {"exact": 1.70, "routed": 3.32, "quest_1_8": 2.99, "quant4": 2.42, "quest_quant4": 5.02}
+# Ratio to DynamicCache's count that each way must stay under at 4 layers: what this commit reaches, rounded up (the
+# goals of issue 31, count_ops.GOALS, are not reached yet; lower these as steps launch less, down to the goals).
+CEILINGS = {"exact": 1.68, "routed": 3.22, "quest_1_8": 2.97, "quant4": 2.40, "quest_quant4": 4.96}
 
 
 def test_counter_counts_kernels_and_host_reads_apart():
@@ -43,7 +43,7 @@ def counts():
 @pytest.mark.parametrize("way", list(CEILINGS))
 def test_decode_step_operators_against_dynamic_cache(counts, way):
     ratio = counts[way] / counts["dynamic"]
-    assert ratio <= min(CEILINGS[way], max(count_ops.GOALS[way], CEILINGS[way])) + 1e-9, (way, counts[way], ratio)
+    assert ratio <= CEILINGS[way], (way, counts[way], counts["dynamic"], ratio)
 
 
 def test_count_is_deterministic(counts):
