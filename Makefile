@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-gpu clean-venv
+.PHONY: demo test lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-gpu bench-ops clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -96,6 +96,11 @@ WHEELS ?=
 BENCH_GPU_ARGS ?=
 bench-gpu:
 	PYTHONPATH=src$(if $(WHEELS),:$(WHEELS))$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
+
+# Operators one eager decode step dispatches per way (a GPU launches a kernel for each) against DynamicCache's count,
+# SmolLM2's shape (random weights), 2k tokens, sparse reads forced (~4 min; tests/test_ops_count.py checks 4 layers)
+bench-ops: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/count_ops.py --out benchmarks/results/ops_per_step_cpu.json
 
 # >>> eval targets (owned by the evaluation harness)
 # Results table: kvpress presses x ratios on dense and upcycled-MoE SmolLM2, RULER needle tasks at 2k (resumable).

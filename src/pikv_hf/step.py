@@ -119,12 +119,11 @@ class DecodeStep:
                 o, lse = merge_partials(self.remote(o, lse))
             if x.sinks is not None:
                 o, lse = merge_partials([(o, lse), sink_partial(x.sinks, o)])
-            attended = sum(p.attended.to(d) for p in parts) if record else None
-            out = Partial(o, lse, mass.mass, mass.slots, attended)
+            out = Partial(o, lse, mass.mass, mass.slots)  # slots attended: per store, in _record
         if mass_of is not None:
             self._record_mass(mass_of, x, out)
         if record:
-            self._record(group, plans, out, sparse)
+            self._record(group, plans, parts, sparse)
             self._learn(group, x, plans[0], sparse)
         return out
 
@@ -139,18 +138,20 @@ class DecodeStep:
         hit = part.mass * n_valid > (hq // store.heads * real).view(-1, 1, 1)
         store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), x.qpos[-1:])
 
-    def _record(self, group: StoreGroup, plans: list[ReadPlan], out: Partial, sparse: bool) -> None:
-        """Add one decode step's read to ``stats`` (tensor operations only)."""
+    def _record(self, group: StoreGroup, plans: list[ReadPlan], parts: list[Partial], sparse: bool) -> None:
+        """Add one decode step's read to ``stats``: per store one stack of its ``[B, H]`` counters (slots attended,
+        pages read and stored, tokens stored, slots read, bytes fetched from an offloaded store) and one sum (tensor
+        operations only)."""
         d = group.device
-        values = []
-        for s, plan in zip(group.stores, plans, strict=True):
-            stored = s.table.n_pages.sum()
-            read = stored if plan.exact else (plan.pages >= 0).sum()
-            page_bytes = s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages) if s in group.offloaded else 0
-            values.append(torch.stack([read, stored, s.stats.count.sum(), read * s.page_size, read * page_bytes]))
-        per_store = values[0] if len(values) == 1 else torch.stack([v.to(d) for v in values]).sum(0)
-        attended = out.attended.sum().view(1).to(d)
-        self.stats.add_step(torch.cat([attended, per_store.to(d)]), sparse, group.heads * group.batch)
+        self.stats.add_step(sparse, group.heads * group.batch, d)
+        for s, plan, part in zip(group.stores, plans, parts, strict=True):
+            stored = s.table.n_pages
+            read = stored if plan.exact else (plan.pages >= 0).sum(-1)
+            slots = read if s.page_size == 1 else read * s.page_size
+            rows = [part.attended, read, stored, s.stats.count.sum(-1), slots]
+            if s in group.offloaded:
+                rows.append(read * (s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages)))
+            self.stats.add_counts("tokens_attended", torch.stack(rows).sum((1, 2)), d)
 
     def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan, sparse: bool) -> None:
         """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning

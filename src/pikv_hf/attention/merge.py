@@ -16,6 +16,11 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     """Merge partials ``(o [..., R, Dv], lse [..., R])`` (rows with no key: ``o = 0``, ``lse = -inf``)."""
     if len(parts) == 1:
         return parts[0]
+    if len(parts) == 2:  # the common case (a hot store and one tier): a few operators fewer
+        (o1, lse1), (o2, lse2) = parts
+        lse = torch.logaddexp(lse1, lse2)
+        m = lse.nan_to_num(neginf=0.0)  # rows with no key in either: weights exp(-inf) = 0, o = 0
+        return torch.exp(lse1 - m).unsqueeze(-1) * o1 + torch.exp(lse2 - m).unsqueeze(-1) * o2, lse
     lse = torch.stack([lse for _, lse in parts])  # [P, ..., R]
     m = lse.amax(0)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

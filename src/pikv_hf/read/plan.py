@@ -8,6 +8,7 @@ own budget are ``-1``, so the shapes of a decode step do not depend on what it s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,21 @@ def sink_or_recent(
 def compact(need: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, H, width]`` indices of the True entries of ``need`` (``[B, H, W]``) in order, ``-1`` padded; entries
     past ``width`` are dropped. Linear time (a prefix sum and a scatter), shapes independent of the data."""
-    rank = need.cumsum(-1) - 1
-    at = torch.where(need & (rank < width), rank, width)
+    at = need.cumsum(-1).mul_(need)  # 1 + the rank of a needed entry; 0 for the others, which land in column 0
+    if width < need.shape[-1]:
+        at.masked_fill_(at > width, 0)
     out = torch.full((*need.shape[:-1], width + 1), -1, dtype=torch.int64, device=need.device)
-    index = torch.arange(need.shape[-1], device=need.device).expand_as(at)
-    return out.scatter_(-1, at, index)[..., :width]  # everything dropped lands in the extra column, cut here
+    return out.scatter_(-1, at, arange(need.shape[-1], need.device).expand_as(at))[..., 1:]
+
+
+def arange(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` on ``device``, made once per (n, device) outside compiled code (a decode step asks for
+    the same ones every layer)."""
+    if torch.compiler.is_compiling():
+        return torch.arange(n, device=device)
+    return _arange(n, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)

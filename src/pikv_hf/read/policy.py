@@ -80,14 +80,12 @@ def special_pages(
 ) -> torch.Tensor:
     """``[B, H, W]`` bool: frame pages holding a valid sink or recent-window token (always read), from the slots the
     store keeps of them (no scan of the frame)."""
-    b, h, w, p = store.batch, store.heads, store.table.width(), store.page_size
-    slots = store.special_slots(n_sink, window, row_start)  # [B, H, n_sink + window]
-    pos = store.pool.flat("pos")[slots.clamp(min=0)].to(torch.int64)
-    inside = torch.arange(slots.shape[-1], device=slots.device) < n_sink  # sinks, then the most recent tokens
-    keep = (slots >= 0) & (inside | (pos > qpos.reshape(()) - window))
-    local = slots.div(p, rounding_mode="floor") - store.table.start.unsqueeze(-1)
-    at = torch.where(keep, local, w)  # what is not kept lands in an extra column, cut below
-    return torch.zeros(b, h, w + 1, dtype=torch.bool, device=slots.device).scatter_(2, at, True)[..., :w]
+    w, p = store.table.width(), store.page_size
+    marks = store.special_slots(n_sink, window, row_start)
+    local = marks.slots if p == 1 else marks.slots.div(p, rounding_mode="floor")
+    at = (local - store.table.start.unsqueeze(-1)).masked_fill_(marks.unread(qpos), w)  # an extra column, cut below
+    out = torch.zeros(store.batch, store.heads, w + 1, dtype=torch.bool, device=at.device)
+    return out.scatter_(2, at, True)[..., :w]
 
 
 def make_policy(config: ReadConfig, layer_idx: int) -> ExactRead:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from pikv_hf.read.plan import ReadPlan
+from pikv_hf.read.plan import ReadPlan, arange
 from pikv_hf.read.policy import SparseRead, register, special_pages
 from pikv_hf.routing.scores import upper_bounds
 from pikv_hf.store import PagedStore
@@ -43,17 +43,17 @@ class QuestRead(SparseRead):
         store.enable_page_bounds()
         key_min, key_max, count = store.page_bounds()
         special = special_pages(store, qpos.to(d), cfg.n_sink, cfg.window, row_start.to(d))
-        return upper_bounds(qg.to(d), key_min, key_max, count).masked_fill(special, float("inf"))
+        return upper_bounds(qg.to(d), key_min, key_max, count).masked_fill_(special, float("inf"))
 
     def plan(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> ReadPlan:
         """The plan of a layer held in one store: ``ceil(read_fraction * n_pages)`` pages per (row, head)."""
         f = self.config.read_fraction
         score = self.scores(store, qg, qpos, row_start)
-        budget = torch.ceil(store.table.n_pages * f).long()  # [B, H]
         width = min(store.table.width(), math.ceil(f * store.table.width()))
-        order = score.argsort(dim=-1, descending=True, stable=True)[..., :width]  # ties to the earlier page
-        take = (torch.arange(width, device=store.device) < budget.unsqueeze(-1)) & (score.gather(2, order) > -math.inf)
-        return ReadPlan(torch.where(take, order, -1))
+        top, order = score.sort(dim=-1, descending=True, stable=True)  # ties to the earlier page
+        # past the (row, head)'s budget of ceil(read_fraction * n_pages) pages (i < ceil(x) iff i < x), or empty
+        over = arange(width, store.device) >= (store.table.n_pages * f).unsqueeze(-1)
+        return ReadPlan(order[..., :width].masked_fill(over | torch.isneginf(top[..., :width]), -1))
 
     def group_plans(
         self, group: StoreGroup, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor

@@ -21,7 +21,6 @@ FIELDS = (
     "bytes_fetched",  # key/value bytes of pages read from tiers on another device (offload)
     "dense_passes",  # dense attention weights computed besides the read (output_attentions)
 )
-STEP_FIELDS = FIELDS[3:9]  # what :meth:`ReadStats.add_step` takes as one tensor
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -39,15 +38,20 @@ class ReadStats:
             self.total = torch.zeros(len(FIELDS), dtype=torch.int64, device=device)
         return self.total
 
-    def add_step(self, values: torch.Tensor, sparse: bool, heads: int) -> None:
-        """One decode step: ``values`` (int64 ``[6]``, the counters of ``STEP_FIELDS``), whether it read sparsely and
-        how many (row, KV head) pairs it read for. Two in-place additions."""
-        total = self._total(values.device)
-        key = (sparse, heads, values.device)
+    def add_step(self, sparse: bool, heads: int, device: torch.device) -> None:
+        """One decode step: whether it read sparsely and how many (row, KV head) pairs it read for (one in-place
+        addition of a constant kept per key)."""
+        total = self._total(device)
+        key = (sparse, heads, device)
         if key not in self._step_counts:
-            self._step_counts[key] = torch.tensor([1, int(sparse), heads], dtype=torch.int64, device=values.device)
-        total[:3] += self._step_counts[key]
-        total[3:9] += values
+            self._step_counts[key] = torch.tensor([1, int(sparse), heads], dtype=torch.int64, device=device)
+        total[:3].add_(self._step_counts[key])
+
+    def add_counts(self, first: str, values: torch.Tensor, device: torch.device) -> None:
+        """Add ``values`` (int64 ``[n]``) to the ``n`` counters from ``first`` on (in :data:`FIELDS` order): one
+        in-place addition."""
+        i = _INDEX[first]
+        self._total(device)[i : i + values.numel()].add_(values.to(device))
 
     def add(self, device: torch.device, **counts: int) -> None:
         """Add Python ``counts`` to the named counters."""

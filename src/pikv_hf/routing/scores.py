@@ -101,12 +101,10 @@ def upper_bounds(
     set (count 0) scores ``-inf``.
     """
     q = query.float()
-    empty = counts == 0
-    # Empty sets carry +-inf bounds: zero them so 0 * inf cannot turn the matmul into NaN.
-    key_max = key_max.float().masked_fill(empty[..., None], 0.0)
-    key_min = key_min.float().masked_fill(empty[..., None], 0.0)
-    bound = q.clamp(min=0) @ key_max.transpose(-1, -2) + q.clamp(max=0) @ key_min.transpose(-1, -2)
-    return bound.amax(dim=-2).masked_fill(empty, float("-inf"))
+    # Empty sets carry +-inf bounds (0 * inf makes their columns NaN): every entry of a product is its own dot
+    # product, so only their columns are touched, and those are set to -inf at the end.
+    bound = q.clamp(min=0) @ key_max.float().transpose(-1, -2) + q.clamp(max=0) @ key_min.float().transpose(-1, -2)
+    return bound.amax(dim=-2).masked_fill_(counts == 0, float("-inf"))
 
 
 def estimated_mass(query: torch.Tensor, summary: ShardSummary, scale: float) -> torch.Tensor:
@@ -136,9 +134,13 @@ def estimated_mass(query: torch.Tensor, summary: ShardSummary, scale: float) -> 
     if summary.key_var is None:
         raise ValueError("summary.key_var is required to estimate attention mass")
     q = query.float()
-    spread = q.square() @ summary.key_var.float().transpose(-1, -2)
-    log_n = summary.counts.float().log().unsqueeze(-2)  # -inf for an empty shard: no share
-    logit = summary.query_dots(query) * scale + spread * (0.5 * scale**2) + log_n
+    dots = summary.query_dots(query)
+    b, h, g, n = dots.shape
+    var = summary.key_var.float().reshape(b * h, n, -1).transpose(-1, -2)
+    q2 = q.square().reshape(b * h, g, -1)
+    # s q.mu + s^2 / 2 q^2.var, one batched product
+    logit = torch.baddbmm(dots.reshape(b * h, g, n), q2, var, beta=scale, alpha=0.5 * scale**2)
+    logit = logit.view(b, h, g, n) + summary.counts.log().unsqueeze(-2)  # log n: -inf for an empty shard, no share
     return torch.softmax(logit, dim=-1).mean(dim=-2)
 
 

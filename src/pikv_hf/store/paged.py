@@ -190,6 +190,7 @@ class PagedStore:
             ``[B, H, q]`` int64 flat pool slot id of every token (``-1`` for tokens not present).
         """
         b, h, q = shard.shape
+        positions = pos  # [q] or [B, H, q]
         a = self.table.assign(shard, present)
         if grow:
             self._reserve(a.need, q)
@@ -236,21 +237,24 @@ class PagedStore:
         elif self._summarised:  # one token per (row, head): one scatter per statistic
             self.stats.add_one(shard, keys)
         else:  # counts only
-            self.stats.count.scatter_add_(2, shard, torch.ones_like(shard))
+            self.stats.add_count(shard)
         if self.page_bounds_kept:
             fold_page_bounds(self.pool, page, k)
-        if self._marks is not None:
-            self._marks.push(slot)
+        if q > 1:  # a chunk (or tokens moved in from another store) may hold sinks: found again when next asked
+            self._marks = None
+        elif self._marks is not None:
+            self._marks.push(slot, positions, present is not None)
         return slot
 
-    def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> torch.Tensor:
-        """``[B, H, n_sink + window]`` flat slots (``-1``: none) of each (row, head)'s first ``n_sink`` real tokens
-        (positions counted from ``row_start``) and of its ``window`` most recently stored ones: what sparse reads
-        always read (:class:`SpecialSlots`); a caller restricts the recent ones to its window's positions."""
+    def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> SpecialSlots:
+        """The flat slots (``[B, H, n_sink + window]``, ``-1``: none) and positions of each (row, head)'s first
+        ``n_sink`` real tokens (positions counted from ``row_start``) and of its ``window`` most recently stored ones:
+        what sparse reads always read (:class:`SpecialSlots`); a caller restricts the recent ones to its window's
+        positions (``SpecialSlots.unread``)."""
         if self._marks is None or not self._marks.fits(n_sink, window):
             pos, valid = self.frame("pos").to(torch.int64), self.frame("valid")
             self._marks = SpecialSlots.scan(pos, valid, self.frame_slots(), n_sink, window, row_start)
-        return self._marks.all()
+        return self._marks
 
     def page_heads(self) -> torch.Tensor:
         """``[N]`` int64 KV head owning each pool page (runs lie back to back in (row, head) order)."""

@@ -12,18 +12,24 @@ from dataclasses import dataclass
 import torch
 
 _NONE = torch.iinfo(torch.int64).max
+EMPTY = -(2**62)  # the position kept for "no slot": below every reach
+_SINK_REACH = 2**61  # a sink is read at any distance from the query
 
 
 @dataclass
 class SpecialSlots:
-    """Flat pool slots (``-1``: none) of the sinks ``[B, H, n_sink]`` and of the newest tokens ``[B, H, window]``
-    (oldest first); ``short``: a row had fewer than ``n_sink`` real tokens (scan again when asked next)."""
+    """Flat pool slots (``-1``: none) of the sinks, then of the newest tokens (oldest first), ``[B, H, n_sink +
+    window]``, with their positions ``pos`` (``EMPTY`` where there is no slot); ``short``: a row that may still
+    receive sinks had fewer than ``n_sink`` (scan again when asked next). ``reach`` (``[n_sink + window]``) is how
+    far before the query each entry may lie and still be read: any distance for a sink, less than ``window`` for a
+    recent token."""
 
     n_sink: int
     window: int
-    sinks: torch.Tensor
-    recent: torch.Tensor
+    slots: torch.Tensor
+    pos: torch.Tensor
     short: bool
+    reach: torch.Tensor
 
     @classmethod
     def scan(
@@ -33,26 +39,47 @@ class SpecialSlots:
         """From a frame's ``pos`` (int64), ``valid`` and flat ``slots`` (all ``[B, H, C]``); sinks count positions
         from ``row_start`` (``[B]``)."""
 
-        def ranked(key: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+        def ranked(key: torch.Tensor, k: int, largest: bool) -> tuple[torch.Tensor, torch.Tensor]:
             k_in = min(k, key.shape[-1])
             at = key.topk(k_in, dim=-1, largest=largest).indices
-            found = torch.where(key.gather(2, at).abs() != _NONE, slots.gather(2, at), -1)
-            return torch.nn.functional.pad(found, (0, k - k_in), value=-1)
+            found = key.gather(2, at).abs() != _NONE
+            pad = (0, k - k_in)
+            return (
+                torch.nn.functional.pad(torch.where(found, slots.gather(2, at), -1), pad, value=-1),
+                torch.nn.functional.pad(torch.where(found, pos.gather(2, at), EMPTY), pad, value=EMPTY),
+            )
 
         rel = pos - row_start.view(-1, 1, 1)
-        sinks = ranked(torch.where(valid & (rel < n_sink), rel, _NONE), n_sink, largest=False)
-        recent = ranked(torch.where(valid, pos, -_NONE), window, largest=True).flip(-1)  # oldest first
-        short = bool((sinks < 0).any()) if n_sink else False
-        return cls(n_sink, window, sinks, recent, short)
+        sinks, sink_pos = ranked(torch.where(valid & (rel < n_sink), rel, _NONE), n_sink, largest=False)
+        recent, recent_pos = ranked(torch.where(valid, pos, -_NONE), window, largest=True)
+        # a sink can still arrive by a decode step only in a row whose newest token here is one of its first n_sink
+        # (a store that holds none of a row's sinks and later tokens, such as the hot store beside a tier, is not
+        # short); a chunk appended resets the slots (PagedStore.append)
+        newest = torch.nn.functional.pad(torch.where(valid, rel, -1), (0, 1), value=-1).amax(-1, keepdim=True)
+        short = bool(((sinks < 0) & (newest < n_sink - 1)).any()) if n_sink else False
+        reach = torch.tensor([_SINK_REACH] * n_sink + [window] * window, dtype=torch.int64, device=pos.device)
+        return cls(
+            n_sink, window, torch.cat([sinks, recent.flip(-1)], -1), torch.cat([sink_pos, recent_pos.flip(-1)], -1),
+            short, reach,
+        )  # fmt: skip
 
     def fits(self, n_sink: int, window: int) -> bool:
         """Whether these slots answer a request for ``n_sink`` sinks and ``window`` recent tokens."""
         return (self.n_sink, self.window) == (n_sink, window) and not self.short
 
-    def push(self, slot: torch.Tensor) -> None:
-        """The newest tokens (``[B, H, q]`` slots, ``-1`` for absent ones) enter the recent window."""
-        self.recent = torch.cat([self.recent, slot], -1)[..., -self.window :]
+    def push(self, slot: torch.Tensor, pos: torch.Tensor, masked: bool) -> None:
+        """The newest tokens (``[B, H, q]`` slots, ``-1`` for absent ones where ``masked``) at positions ``pos``
+        (``[q]`` or ``[B, H, q]``) enter the recent window."""
+        if not self.window:
+            return
+        pos = pos.to(torch.int64).expand_as(slot)
+        if masked:
+            pos = torch.where(slot >= 0, pos, EMPTY)
+        n, keep = self.n_sink, self.n_sink + min(slot.shape[-1], self.window)
+        self.slots = torch.cat([self.slots[..., :n], self.slots[..., keep:], slot[..., -self.window :]], -1)
+        self.pos = torch.cat([self.pos[..., :n], self.pos[..., keep:], pos[..., -self.window :]], -1)
 
-    def all(self) -> torch.Tensor:
-        """``[B, H, n_sink + window]``: sinks, then the recent tokens."""
-        return torch.cat([self.sinks, self.recent], -1)
+    def unread(self, qpos: torch.Tensor) -> torch.Tensor:
+        """``[B, H, n_sink + window]`` bool: entries a query at ``qpos`` (one element) does not read (no slot; a recent
+        token ``window`` or more positions before the query)."""
+        return self.pos <= qpos.reshape(()) - self.reach

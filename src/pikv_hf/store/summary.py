@@ -29,6 +29,7 @@ class ShardStats:
         self.count = torch.zeros(batch, heads, num_shards, dtype=torch.int64, device=device)
         self.sum = self.sq = self.min = self.max = None
         self._resident: torch.Tensor | None = None  # every shard resident (a store holds its own pages)
+        self._ones: torch.Tensor | None = None  # [B, H, 1] int64 ones (add_count)
 
     def _keep_keys(self) -> None:
         """Allocate the key statistics (empty: zero sums, +inf / -inf bounds) unless kept already."""
@@ -63,9 +64,16 @@ class ShardStats:
         at = shard.unsqueeze(-1).expand(*shard.shape, k.shape[-1])
         self.sum.scatter_add_(2, at, k)
         self.sq.scatter_add_(2, at, k * k)
-        self.count.scatter_add_(2, shard, torch.ones_like(shard))
+        self.add_count(shard)
         self.min.scatter_reduce_(2, at, k, "amin")
         self.max.scatter_reduce_(2, at, k, "amax")
+
+    def add_count(self, shard: torch.Tensor) -> None:
+        """Count one new token per (row, head) in its shard ``shard`` (``[B, H, 1]``): one scatter of a ones tensor
+        kept per shape."""
+        if self._ones is None or self._ones.shape != shard.shape or self._ones.device != shard.device:
+            self._ones = torch.ones_like(shard)
+        self.count.scatter_add_(2, shard, self._ones)
 
     def recount(self, bhs: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, bounds: bool = False) -> None:
         """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat
