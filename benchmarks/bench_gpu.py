@@ -186,7 +186,7 @@ def read_fraction(cache) -> float:
     """Fraction of the stored tokens a decode step attends to (1.0 for a dense read)."""
     if isinstance(cache, PiKVCache) and cache.read.sparse:
         overall = cache.routing_stats()["overall"]
-        return overall["fraction_tokens_attended"] if overall["sparse_steps"] else 1.0
+        return overall["fraction_tokens_attended"] if overall["sparse_layer_steps"] else 1.0
     return 1.0
 
 

@@ -69,7 +69,7 @@ def test_sparse_from_counts_each_rows_real_tokens(mode):
             assert (in_batch[len(below) :, i] - dense[len(below) :]).abs().max() > 1e-3, f"row {i}"
     assert len(below) == len(DECODE_TOKENS)  # the shortest row never reached the threshold
     stats = batch.routing_stats()["overall"]
-    assert stats["sparse_steps"] == len(DECODE_TOKENS) * len(batch.layers)  # row 0 reads sparsely at every step
+    assert stats["sparse_layer_steps"] == len(DECODE_TOKENS) * len(batch.layers)  # row 0 reads sparsely at every step
 
 
 def _fail_at_layer(model, index: int):

@@ -76,5 +76,5 @@ def test_generate_compiles_the_pikv_decode_step_by_itself(read):
         assert torch.equal(got, reference)
     else:  # the compiled steps read sparsely and counted it on the device
         stats = cache.routing_stats()["overall"]
-        assert stats["sparse_steps"] == (NEW_TOKENS - 1) * len(cache.layers)
+        assert stats["sparse_layer_steps"] == (NEW_TOKENS - 1) * len(cache.layers)
         assert stats["fraction_tokens_attended"] < 1.0
