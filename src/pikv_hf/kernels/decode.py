@@ -98,6 +98,21 @@ def _codes(codes_ptr, slot, c, mask, BYTES: tl.constexpr, BITS: tl.constexpr):
 
 
 @jit
+def _row_codes(codes_ptr, slot, rows, BLOCK_N: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """``[BLOCK_N, D]`` float32 codes of whole rows (``D`` a power of two): each slot's packed bytes loaded once as a
+    contiguous row, then split into their fields in registers (low bits first)."""
+    byte = tl.load(codes_ptr + slot[:, None] * (D * BITS // 8) + tl.arange(0, D * BITS // 8)[None, :], mask=rows,
+                   other=0).to(tl.int32)  # fmt: skip
+    if BITS == 8:
+        return byte.to(tl.float32)
+    if BITS == 4:
+        fields = tl.join(byte & 15, byte >> 4)  # [BLOCK_N, D // 2, 2]: channel 2i, 2i + 1
+    else:  # channel 4i + 2a + b at [.., i, a, b]
+        fields = tl.join(tl.join(byte & 3, (byte >> 4) & 3), tl.join((byte >> 2) & 3, byte >> 6))
+    return tl.reshape(fields, [BLOCK_N, D]).to(tl.float32)
+
+
+@jit
 def _load_kv(
     k_ptr,
     v_ptr,
@@ -134,7 +149,10 @@ def _load_kv(
         k = tl.load(k_ptr + slot[:, None] * DK + dk[None, :], mask=k_mask, other=0.0)
         v = tl.load(v_ptr + slot[:, None] * DV + dv[None, :], mask=v_mask, other=0.0)
     else:
-        k = _codes(k_ptr, slot, dk, k_mask, DK * BITS // 8, BITS)
+        if BLOCK_DK == DK:
+            k = _row_codes(k_ptr, slot, k_mask, BLOCK_N, DK, BITS)
+        else:
+            k = _codes(k_ptr, slot, dk, k_mask, DK * BITS // 8, BITS)
         if PAGE >= BLOCK_N:  # one page: one scale / zero row for the tile
             at = page.to(tl.int64) * DK + dk
             row_ok = (dk < DK) & (tl.zeros_like(dk) + page >= 0)
@@ -146,7 +164,10 @@ def _load_kv(
             k = k * k_scale + tl.load(kz_ptr + at, mask=k_mask, other=0.0).to(tl.float32)
         v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]
         v_scale = tl.load(vs_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
-        v = _codes(v_ptr, slot, dv, v_mask, DV * BITS // 8, BITS) * v_scale
+        if BLOCK_DV == DV:
+            v = _row_codes(v_ptr, slot, v_mask, BLOCK_N, DV, BITS) * v_scale
+        else:
+            v = _codes(v_ptr, slot, dv, v_mask, DV * BITS // 8, BITS) * v_scale
         v = v + tl.load(vz_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
     return k, v
 
