@@ -221,6 +221,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self._advance(q)
         if q > 1 and self.policy.sparse:
             self.policy.prepare(self._group(), self.row_start)
+        if q > 1 and self.is_compileable:  # counters a compiled decode step adds to exist before it is traced
+            self.step.stats.prepare(key_states.shape[0] * key_states.shape[1], self.store.device)
         if self._index_pos is not None:  # head masks in use: their index space grows with the new tokens
             self._index_pos = torch.cat([self._index_pos, token_index.to(self._index_pos).expand(*shard.shape)], -1)
 

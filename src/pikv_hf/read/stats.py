@@ -38,6 +38,15 @@ class ReadStats:
             self.total = torch.zeros(len(FIELDS), dtype=torch.int64, device=device)
         return self.total
 
+    def prepare(self, heads: int, device: torch.device) -> None:
+        """Allocate the counters and the per-step constants of ``heads`` (row, KV head) pairs before a compiled step
+        runs, so that the step mutates no Python container (a compiled step would otherwise recompile once)."""
+        self._total(device)
+        for sparse in (False, True):
+            key = (sparse, heads, device)
+            if key not in self._step_counts:
+                self._step_counts[key] = torch.tensor([1, int(sparse), heads], dtype=torch.int64, device=device)
+
     def add_step(self, sparse: bool, heads: int, device: torch.device) -> None:
         """One decode step: whether it read sparsely and how many (row, KV head) pairs it read for (one in-place
         addition of a constant kept per key)."""
