@@ -146,3 +146,25 @@ def test_query_chunking_does_not_change_results(monkeypatch):
     one = masked_attention(query, keys, values, valid, pos, qpos, 0.35)
     monkeypatch.setattr(reference, "_SCORE_BUDGET_BYTES", 4 * 40 * 4 * 5)  # 5 query rows per chunk
     assert (one - masked_attention(query, keys, values, valid, pos, qpos, 0.35)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_fused_prefill_equals_masked_attention(sliding_window, monkeypatch):
+    """A prefill chunk into a store that holds tokens goes through the CPU flash kernel: the same output and
+    log-sum-exp as the masked reference, row chunks included (a small score budget), a query row with no readable slot
+    (left padding) has ``lse = -inf``."""
+    from pikv_hf.attention import backend
+
+    monkeypatch.setattr(backend, "_SCORE_BUDGET_BYTES", 2 * 6 * 40 * 4)  # two query rows per chunk
+    g = torch.Generator().manual_seed(0)
+    b, h, hq, q, c, d = 2, 2, 6, 7, 40, 8
+    query, keys, values = (torch.randn(*s, generator=g) for s in ((b, hq, q, d), (b, h, c, d), (b, h, c, d)))
+    pos = torch.randperm(c, generator=g).expand(b, h, c).clone()  # slots in any order, as pages hold them
+    ok = torch.rand(b, h, c, generator=g) > 0.2
+    ok[1, 0] = pos[1, 0] >= 38  # row 1, KV head 0: the first query rows see no slot
+    qpos = torch.arange(33, 33 + q)
+    o, lse = backend.fused_prefill(query, keys, values, ok, pos, qpos, sliding_window, 0.3)
+    o_ref, lse_ref, _ = reference.masked_attention(query, keys, values, ok, pos, qpos, 0.3, sliding_window)
+    assert torch.isneginf(lse_ref[1, :3, 0]).all() and torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    finite = ~torch.isneginf(lse_ref)
+    assert (lse[finite] - lse_ref[finite]).abs().max() < 1e-5 and (o - o_ref).abs().max() < 1e-5

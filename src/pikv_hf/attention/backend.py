@@ -4,8 +4,9 @@
 ``[B, H, C, ...]`` views (no copy); any other plan gathers the planned pages into a scratch workspace. The slots a
 query may read come from what every slot stores (``valid``, ``pos``) and the plan (:func:`readable`). A decode token
 on the CPU goes through PyTorch's fused flash-attention kernel with that mask (one call: the query heads of a KV head
-are its rows, GQA without copying keys); prefill chunks, attention mass, shard groups and keys and values of different
-head dims take :func:`masked_attention`. A fused kernel that reads pages in place implements the same ``attend``.
+are its rows, GQA without copying keys), and so does a prefill chunk into a store that holds tokens already (one call
+per chunk of query rows); attention mass, shard groups, keys and values of different head dims and other devices take
+:func:`masked_attention`. A fused kernel that reads pages in place implements the same ``attend``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pikv_hf.attention.merge import merge_partials, sink_partial
-from pikv_hf.attention.reference import allowed_mask, masked_attention
+from pikv_hf.attention.reference import _SCORE_BUDGET_BYTES, allowed_mask, masked_attention
 from pikv_hf.read.plan import ReadPlan, sink_or_recent
 from pikv_hf.store import PagedStore
 
@@ -86,6 +87,41 @@ def fused_decode(
     if check_empty:
         lse = lse.masked_fill(torch.isneginf(bias).all(-1, keepdim=True), float("-inf"))
     return o.float().reshape(b, hq, 1, -1), lse.reshape(b, hq, 1)
+
+
+def fused_prefill(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    ok: torch.Tensor,
+    pos: torch.Tensor,
+    qpos: torch.Tensor,
+    sliding_window: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several query rows (``query`` ``[B, Hq, q, D]`` at positions ``qpos`` ``[q]``) over ``[B, H, C, D]`` keys /
+    values, each row reading the slots :func:`allowed_mask` of ``ok``, ``pos`` (``[B, H, C]``) lets it, through the
+    CPU flash kernel: the query heads of a KV head times the query rows are its rows, in chunks of rows whose mask fits
+    the score budget of :func:`masked_attention`. ``o [B, Hq, q, D]`` float32 and ``lse [B, Hq, q]`` (``-inf`` for a
+    row with no readable slot, whose ``o`` the kernel leaves 0)."""
+    b, hq, q, d = query.shape
+    h, c = keys.shape[1], keys.shape[2]
+    g = hq // h
+    qg = query.reshape(b, h, g, q, d).to(keys.dtype)
+    chunk = max(1, min(q, _SCORE_BUDGET_BYTES // max(1, b * hq * c * 4)))
+    outs, lses = [], []
+    for start in range(0, q, chunk):
+        ok_rows = allowed_mask(ok, pos, qpos[start : start + chunk], sliding_window)
+        n = ok_rows.shape[2]
+        bias = torch.zeros(ok_rows.shape, dtype=keys.dtype, device=keys.device).masked_fill_(~ok_rows, float("-inf"))
+        bias = bias.unsqueeze(2).expand(b, h, g, n, c).reshape(b, h, g * n, c)
+        rows = qg[:, :, :, start : start + chunk].reshape(b, h, g * n, d)
+        o, lse = _FLASH_CPU(rows, keys, values, 0.0, False, attn_mask=bias, scale=scale)
+        lse = lse.float().view(b, h, g, n).masked_fill(~ok_rows.any(-1).unsqueeze(2), float("-inf"))
+        outs.append(o.float().view(b, h, g, n, -1))
+        lses.append(lse)
+    o = torch.cat(outs, dim=3).reshape(b, hq, q, -1)
+    return o, torch.cat(lses, dim=3).reshape(b, hq, q)
 
 
 class TorchBackend:
@@ -166,6 +202,12 @@ class TorchBackend:
         ok = fields["valid"] if page_ok is None else fields["valid"] & page_ok
         ok = readable(ok, fields["pos"], plan, qpos, p)
         keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
+        if self._fusable(store, 1, groups, want_mass) and keys.shape[2]:  # a prefill chunk into a non-empty store
+            o, lse = fused_prefill(query, keys, values, ok, fields["pos"], qpos, sliding_window, scale)
+            if sinks is not None:
+                o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
+            attended = allowed_mask(ok, fields["pos"], qpos[-1:], sliding_window)[:, :, 0].sum(-1) if count else None
+            return Partial(o, lse, attended=attended)
         shard = None
         if groups > 1:
             shard = store.pool["shard"][pages.clamp(min=0)].repeat_interleave(p, dim=-1).long().clamp(min=0)
