@@ -7,6 +7,7 @@ import torch
 from helpers import DynamicCache, generate, max_logit_diff, model_pair, pikv, prompt, shard_of_positions
 
 from pikv_hf import PiKVCache
+from pikv_hf.read.plan import compact, prefix_sum
 from pikv_hf.routing import SELECTORS
 from pikv_hf.tiny import tiny_config, tiny_model
 
@@ -347,3 +348,20 @@ def test_exact_and_many_shard_reads_report_at_most_what_is_stored():
     slots = sum(int(la.store.table.n_pages.sum()) * la.store.page_size for la in every.layers)
     assert tokens == 41 * 2 * len(every.layers) and overall["page_fill"] == pytest.approx(tokens / slots)
     assert overall["page_fill"] < 0.5
+
+
+@pytest.mark.parametrize("width", [7, 256, 1000, 33041])
+def test_prefix_sum_compiled_in_chunks_equals_cumsum(width):
+    """The compiled prefix sum (two short scans) equals ``cumsum``, and so does ``compact`` built on it."""
+    need = torch.rand(2, 3, width, generator=torch.Generator().manual_seed(width)) < 0.3
+    compiled = torch.compile(prefix_sum, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(need), need.cumsum(-1))
+    assert torch.equal(compiled(need.long() * 3), (need.long() * 3).cumsum(-1))
+    keep = min(width, 500)
+    got = torch.compile(lambda n: compact(n, keep), backend="aot_eager", fullgraph=True)(need)
+    want = torch.full((2, 3, keep), -1)
+    for b in range(2):
+        for h in range(3):
+            idx = need[b, h].nonzero().flatten()[:keep]
+            want[b, h, : idx.numel()] = idx
+    assert torch.equal(got, want)

@@ -56,11 +56,30 @@ def sink_or_recent(
 def compact(need: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, H, width]`` indices of the True entries of ``need`` (``[B, H, W]``) in order, ``-1`` padded; entries
     past ``width`` are dropped. Linear time (a prefix sum and a scatter), shapes independent of the data."""
-    at = need.cumsum(-1).mul_(need)  # 1 + the rank of a needed entry; 0 for the others, which land in column 0
+    at = prefix_sum(need).mul_(need)  # 1 + the rank of a needed entry; 0 for the others, which land in column 0
     if width < need.shape[-1]:
         at.masked_fill_(at > width, 0)
     out = torch.full((*need.shape[:-1], width + 1), -1, dtype=torch.int64, device=need.device)
     return out.scatter_(-1, at, arange(need.shape[-1], need.device).expand_as(at))[..., 1:]
+
+
+_SCAN_CHUNK = 256
+
+
+def prefix_sum(x: torch.Tensor) -> torch.Tensor:
+    """Inclusive int64 prefix sum of ``x`` (``[..., W]``, bool or integer) along the last dimension.
+
+    Eager: one ``cumsum``. Compiled: two short scans (within chunks of 256, then over the chunk totals), since
+    inductor's CUDA code for one long scan (W of 33,041 at 32k tokens in pages of 1) fails in torch 2.11 (an error
+    in the codegen of a split scan)."""
+    w = x.shape[-1]
+    if not torch.compiler.is_compiling() or w <= _SCAN_CHUNK:
+        return x.cumsum(-1)
+    n = -(-w // _SCAN_CHUNK)
+    chunks = torch.nn.functional.pad(x.to(torch.int64), (0, n * _SCAN_CHUNK - w)).unflatten(-1, (n, _SCAN_CHUNK))
+    inner = chunks.cumsum(-1)
+    before = inner[..., -1].cumsum(-1) - inner[..., -1]  # the chunks ahead of each
+    return (inner + before.unsqueeze(-1)).flatten(-2)[..., :w]
 
 
 def arange(n: int, device: torch.device) -> torch.Tensor:

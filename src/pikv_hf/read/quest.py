@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from pikv_hf.read.plan import ReadPlan, arange
+from pikv_hf.read.plan import ReadPlan, arange, prefix_sum
 from pikv_hf.read.policy import SparseRead, register, special_pages
 from pikv_hf.routing.scores import upper_bounds
 from pikv_hf.store import PagedStore
@@ -68,7 +68,7 @@ class QuestRead(SparseRead):
         slots = sum(s.table.n_pages.to(d) * s.page_size for s in stores)  # [B, H] slots of every stored page
         order = score.argsort(dim=-1, descending=True, stable=True)
         ranked = score.gather(2, order)
-        before = size[order].cumsum(-1) - size[order]  # slots of the pages ranked ahead
+        before = prefix_sum(size[order]) - size[order]  # slots of the pages ranked ahead
         chosen = ((before < slots.unsqueeze(-1) * self.config.read_fraction) | (ranked == math.inf)) & (
             ranked > -math.inf
         )
