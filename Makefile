@@ -62,7 +62,7 @@ bench-e2e: $(STAMP)
 bench-store: $(STAMP)
 	$(PY) benchmarks/bench_store.py --out benchmarks/results/store_ragged_cpu.json
 
-# Prefill peak memory of SmolLM2 at 8k, 256 key-cluster shards, pages of 1, against a DynamicCache (~2 min)
+# Prefill peak memory of SmolLM2 at 8k x batch 4, every way of keeping the KV against a DynamicCache (~15 min)
 bench-memory: $(STAMP)
 	$(PY) benchmarks/bench_memory.py --context 8192 --batch 4 --out benchmarks/results/prefill_memory_cpu.json
 

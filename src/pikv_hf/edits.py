@@ -66,12 +66,9 @@ class LayerEdits:
         """The model forward ended (also by an exception): drop what only it needed, so that the layer references
         nothing beyond its stores between forwards: the latest view, the new tokens' positions and the K/V of a first
         chunk not attended yet. A head-wise press's masks left on the attention module for the next forward keep the
-        view's positions as their index space (``apply_head_masks``)."""
+        view's positions, their index space (``apply_head_masks``)."""
         self._last_qpos = self._fresh_kv = None
-        pos = self.views.release()
-        if pos is not None and self._index_pos is None:
-            if getattr(self.attention_module(), "masked_key_indices", None) is not None:
-                self._index_pos = pos
+        self.views.release(keep_positions=getattr(self.attention_module(), "masked_key_indices", None) is not None)
 
     # ------------------------------------------------------------------ what presses act through
     def view(self) -> DenseView | None:

@@ -213,19 +213,20 @@ class LayerViews:
         self._view = None
         self._pending.clear()
 
-    def release(self) -> torch.Tensor | None:
+    def release(self, keep_positions: bool) -> None:
         """Drop the latest view at the end of a model forward (its keys and values, when nothing wrote since, and its
-        int64 ``frame_index``, ``pos`` and ``shard``: 24 bytes per stored token and KV head), unless an assignment
-        still waits for its partner. Returns the view's ``pos`` (``[B, H, T]``, None if no view was dropped): the
-        index space of head masks a press left on the attention module for the next forward."""
-        if self._pending or self._view is None:
-            return None
-        v, self._view = self._view, None
-        return v.pos
+        int64 ``frame_index`` and ``shard``: 16 bytes per stored token and KV head), unless an assignment still
+        waits for its partner. ``keep_positions``: keep its ``pos`` (``[B, H, T]``), the index space of head masks a
+        press left on the attention module for the next forward (:attr:`latest`, read by ``apply_head_masks``)."""
+        v = self._view
+        if self._pending or v is None:
+            return
+        self._view = DenseView(None, None, None, v.pos, None, None, None) if keep_positions else None
 
     @property
     def latest(self) -> DenseView | None:
-        """The latest view taken (its keys and values dropped after a write)."""
+        """The latest view taken (its keys and values dropped after a write; only its ``pos`` after the forward that
+        took it, see :meth:`release`)."""
         return self._view
 
     def snapshot(self) -> DenseView:
