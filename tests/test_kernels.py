@@ -32,7 +32,9 @@ from pikv_hf.kernels import (
 from pikv_hf.kernels._triton import check_launchable
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
+# bfloat16 on CUDA: the probabilities are rounded to bfloat16 (8 mantissa bits) before the tensor-core p @ v dot, an
+# error of up to ~2**-9 relative per term, which measured 1.1e-3..1.4e-3 on an H200 (float32 accumulation after it)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-3}
 T, PADS, H, SHARDS, N_SINK, WINDOW = 200, (0, 37, 81), 2, 8, 4, 9  # positions, left padding of the 3 rows
 
 
