@@ -165,13 +165,18 @@ def _load_kv(
             at = page.to(tl.int64)[:, None] * DK + dk[None, :]
             k_scale = tl.load(ks_ptr + at, mask=k_mask, other=0.0).to(tl.float32)
             k = k * k_scale + tl.load(kz_ptr + at, mask=k_mask, other=0.0).to(tl.float32)
-        v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]
-        v_scale = tl.load(vs_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
-        if BLOCK_DV == DV:
-            v = _row_codes(v_ptr, slot, v_mask, BLOCK_N, DV, BITS) * v_scale
+        if BLOCK_DV == DV:  # DV and GROUP powers of two: one scale / zero load per slot and group, broadcast
+            NG: tl.constexpr = DV // GROUP
+            g_at = slot[:, None] * NG + tl.arange(0, NG)[None, :]
+            v_scale = tl.load(vs_ptr + g_at, mask=load[:, None], other=0.0).to(tl.float32)
+            v_zero = tl.load(vz_ptr + g_at, mask=load[:, None], other=0.0).to(tl.float32)
+            v = tl.reshape(_row_codes(v_ptr, slot, v_mask, BLOCK_N, DV, BITS), [BLOCK_N, NG, GROUP])
+            v = tl.reshape(v * v_scale[:, :, None] + v_zero[:, :, None], [BLOCK_N, DV])
         else:
+            v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]
+            v_scale = tl.load(vs_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
             v = _codes(v_ptr, slot, dv, v_mask, DV * BITS // 8, BITS) * v_scale
-        v = v + tl.load(vz_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
+            v = v + tl.load(vz_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
     return k, v
 
 
