@@ -32,7 +32,9 @@ from pikv_hf.kernels import (
 from pikv_hf.kernels._triton import check_launchable
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
+# bfloat16 on CUDA: the probabilities are rounded to bfloat16 (8 mantissa bits) before the tensor-core p @ v dot, an
+# error of up to ~2**-9 relative per term, which measured 1.1e-3..1.4e-3 on an H200 (float32 accumulation after it)
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-3}
 T, PADS, H, SHARDS, N_SINK, WINDOW = 200, (0, 37, 81), 2, 8, 4, 9  # positions, left padding of the 3 rows
 
 
@@ -234,14 +236,19 @@ QUANT_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}  # 
 
 
 @pytest.mark.parametrize(
-    "bits, scale_dtype, dtype",
-    [(4, torch.float32, torch.float16), (8, torch.float32, torch.float32), (2, torch.float16, torch.bfloat16)],
+    "bits, scale_dtype, dtype, group",
+    [
+        (4, torch.float32, torch.float16, 32),
+        (8, torch.float32, torch.float32, 128),
+        (2, torch.float16, torch.bfloat16, 16),
+    ],
 )
-def test_quantised_decode_equals_dequantised_reference_and_sdpa(bits, scale_dtype, dtype):
+def test_quantised_decode_equals_dequantised_reference_and_sdpa(bits, scale_dtype, dtype, group):
     """The kernel rounds dequantised keys and values to the query's dtype for its tensor-core dots (float32 queries:
-    float32 throughout), hence the 16-bit tolerances."""
+    float32 throughout), hence the 16-bit tolerances; value groups of 4, 1 and 8 per 128-channel row (the
+    kernel broadcasts one scale / zero per slot and group)."""
     case = _case(4, 64, 128, 16, dtype, q=2)
-    quant = quantize_pages(case.keys, case.values, bits, group=32, valid=case.valid, scale_dtype=scale_dtype)
+    quant = quantize_pages(case.keys, case.values, bits, group=group, valid=case.valid, scale_dtype=scale_dtype)
     keys, values = dequantize_pages(quant)
     dense = replace(case, dense_k=case.dense_k.clone(), dense_v=case.dense_v.clone())  # as the pages now hold them
     for bi, hi in itertools.product(range(len(PADS)), range(H)):
@@ -349,3 +356,38 @@ def test_pikv_hf_and_the_references_import_without_triton():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+_COMPILE_SM90 = """
+import inspect, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pikv_hf.kernels import decode
+names = list(inspect.signature(decode._split_kernel_fn).parameters)
+types = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8", "count_ptr": "*i32",
+         "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+types |= dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16")
+types |= dict.fromkeys(("table_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")
+for bits, page, block_n in ((0, 1, 128), (2, 16, 64), (4, 64, 64), (8, 16, 32)):
+    const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, BLOCK_DK=128, BLOCK_DV=128, HAS_LEN=True,
+                 HAS_FULL=True, HAS_SLIDING=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", BITS=bits,
+                 GROUP=64, SPAN=4096, BLOCK_N=block_n)
+    kv = "*u8" if bits else "*bf16"
+    sig = {n: "constexpr" if n in const else types.get(n, kv if n in ("k_ptr", "v_ptr") else "i32") for n in names}
+    src = ASTSource(decode._split_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 2})
+    print(bits, kernel.metadata.shared)
+"""
+
+
+def test_split_kernel_compiles_for_sm90_without_a_gpu():
+    """The CUDA front end (unlike the interpreter) compiles every branch after a constexpr early return: the kernel
+    of each code width must compile for sm_90 (bfloat16 dots, sparse plan, value groups of 64) as triton does on a
+    GPU (an 8-bit ``reshape`` that could not change the element count failed only there). A subprocess without
+    ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = dict(line.split() for line in run.stdout.split("\n") if line)
+    assert sorted(shared) == ["0", "2", "4", "8"] and all(int(v) > 0 for v in shared.values())

@@ -43,7 +43,7 @@ _BLOCK_N = 64  # slots per tile for small reads (large ones autotune it on CUDA)
 _PROGRAMS_PER_SM = 4  # stage-1 programs the host aims for per SM
 _MIN_SPLIT_SLOTS = 256  # fewest slots worth a split of their own
 _MAX_SPLITS = 64
-_TUNE_FROM_SLOTS = 4096  # table rows of at least this many slots launch the autotuned kernel (CUDA)
+_TUNE_FROM_SLOTS = 1024  # table rows of at least this many slots launch the autotuned kernel (CUDA)
 _LOG2E = 1.4426950408889634
 
 
@@ -103,13 +103,16 @@ def _row_codes(codes_ptr, slot, rows, BLOCK_N: tl.constexpr, D: tl.constexpr, BI
     contiguous row, then split into their fields in registers (low bits first)."""
     byte = tl.load(codes_ptr + slot[:, None] * (D * BITS // 8) + tl.arange(0, D * BITS // 8)[None, :], mask=rows,
                    other=0).to(tl.int32)  # fmt: skip
+    # one return after the constexpr branches: Triton's code generator also compiles the statements after a return
+    # inside a constexpr ``if`` (an early 8-bit return let the 2-bit reshape of [BLOCK_N, D, 2, 2] fail on CUDA)
     if BITS == 8:
-        return byte.to(tl.float32)
-    if BITS == 4:
-        fields = tl.join(byte & 15, byte >> 4)  # [BLOCK_N, D // 2, 2]: channel 2i, 2i + 1
+        codes = byte
+    elif BITS == 4:
+        codes = tl.reshape(tl.join(byte & 15, byte >> 4), [BLOCK_N, D])  # [.., i, a]: channel 2i + a
     else:  # channel 4i + 2a + b at [.., i, a, b]
         fields = tl.join(tl.join(byte & 3, (byte >> 4) & 3), tl.join((byte >> 2) & 3, byte >> 6))
-    return tl.reshape(fields, [BLOCK_N, D]).to(tl.float32)
+        codes = tl.reshape(fields, [BLOCK_N, D])
+    return codes.to(tl.float32)
 
 
 @jit
@@ -162,13 +165,18 @@ def _load_kv(
             at = page.to(tl.int64)[:, None] * DK + dk[None, :]
             k_scale = tl.load(ks_ptr + at, mask=k_mask, other=0.0).to(tl.float32)
             k = k * k_scale + tl.load(kz_ptr + at, mask=k_mask, other=0.0).to(tl.float32)
-        v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]
-        v_scale = tl.load(vs_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
-        if BLOCK_DV == DV:
-            v = _row_codes(v_ptr, slot, v_mask, BLOCK_N, DV, BITS) * v_scale
+        if BLOCK_DV == DV:  # DV and GROUP powers of two: one scale / zero load per slot and group, broadcast
+            NG: tl.constexpr = DV // GROUP
+            g_at = slot[:, None] * NG + tl.arange(0, NG)[None, :]
+            v_scale = tl.load(vs_ptr + g_at, mask=load[:, None], other=0.0).to(tl.float32)
+            v_zero = tl.load(vz_ptr + g_at, mask=load[:, None], other=0.0).to(tl.float32)
+            v = tl.reshape(_row_codes(v_ptr, slot, v_mask, BLOCK_N, DV, BITS), [BLOCK_N, NG, GROUP])
+            v = tl.reshape(v * v_scale[:, :, None] + v_zero[:, :, None], [BLOCK_N, DV])
         else:
+            v_at = slot[:, None] * (DV // GROUP) + (dv // GROUP)[None, :]
+            v_scale = tl.load(vs_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
             v = _codes(v_ptr, slot, dv, v_mask, DV * BITS // 8, BITS) * v_scale
-        v = v + tl.load(vz_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
+            v = v + tl.load(vz_ptr + v_at, mask=v_mask, other=0.0).to(tl.float32)
     return k, v
 
 
@@ -216,11 +224,15 @@ def _split_kernel_fn(
     DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    SPAN: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Program ``(b * H + h, split, row tile)``: the split's partial attention of rows ``r`` of KV head ``h``
     (query head ``h * G + r // Q``, token ``r % Q``) over the slots of table row ``(b, h)``; ``qk_scale`` is the
-    logit scale times ``log2(e)`` (the softmax runs in base 2)."""
+    logit scale times ``log2(e)`` (the softmax runs in base 2). ``SPAN`` (the power of two above the slots of one
+    split of the table's width) is read by the autotuner only: a key, so that a short read (a sparse plan's
+    narrow table, fewer tokens) gets its own tile / warp / stage choice instead of the one tuned on the first
+    shape."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -294,7 +306,7 @@ if HAVE_TRITON and not interpreted(_split_kernel):
             for n, w, s in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
                             (128, 8, 3))
         ],  # fmt: skip
-        key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL"],
+        key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL", "HAS_LEN", "SPAN"],
     )(triton.jit(_split_kernel_fn))
 
 
@@ -412,7 +424,7 @@ def _launch(
             BLOCK_DK=max(16, next_power_of_2(dk)), BLOCK_DV=max(16, next_power_of_2(dv)),
             HAS_LEN=lengths is not None, HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window > 0,
             DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", BITS=bits,
-            GROUP=max(group, 1),
+            GROUP=max(group, 1), SPAN=next_power_of_2(cdiv(n_slots, splits)) if tuned else 1,
             **fixed,
         )  # fmt: skip
     o = torch.empty(b, hq, q, dv, dtype=torch.float32, device=dev)
