@@ -58,6 +58,12 @@ class StaticPiKVLayer(PiKVLayer):
                 f"max_cache_len={self.max_cache_len}; build the PiKVCache with a larger max_cache_len"
             )
 
+    def end_forward(self) -> None:
+        super().end_forward()
+        if self.store is not None and self.store.device.type == "cuda" and not torch.compiler.is_compiling():
+            for t in _state_tensors(self):
+                torch._dynamo.mark_static_address(t, guard=False)
+
     def _token_index(self, q: int, device: torch.device) -> torch.Tensor:
         return self._seen_t + torch.arange(q, device=device)
 
@@ -102,3 +108,26 @@ class StaticPiKVLayer(PiKVLayer):
     def reset(self) -> None:
         super().reset()
         self._seen_t = None
+
+
+def _state_tensors(layer: StaticPiKVLayer) -> list[torch.Tensor]:
+    """The CUDA tensors a layer keeps between forwards (pools, page tables, statistics, counters), reached through
+    ``__dict__``s and containers (not modules, weak references or the forward's own state). A compiled decode step
+    writes into them in place; marked as static addresses, CUDA graphs replay over them (a mutated input that is not
+    static makes ``mode="reduce-overhead"`` skip the graph)."""
+    seen, out, stack = set(), [], [v for k, v in vars(layer).items() if k != "forward"]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (torch.nn.Module, type, str, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda:
+                out.append(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+    return out
