@@ -127,7 +127,8 @@ class QuestPress(DecodingPress):
     def _warn_if_dense(self, layer) -> None:
         """Warn (once per ``with`` block) when ``layer``'s decode step just read every page because of the cache's
         ``sparse_from``."""
-        if layer._sparse_due() or layer.get_seq_length() >= layer.read.sparse_threshold:  # sparse, or a dense layer
+        # some row read sparsely, or a layer kept dense (dense_layers)
+        if layer._sparse_rows() is not False or layer.get_seq_length() >= layer.read.sparse_threshold:
             return
         self._warned = True
         warnings.warn(
