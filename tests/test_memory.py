@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from pikv_hf import PiKVCache
 from pikv_hf.presses import H2OPress, QuantPress
+from pikv_hf.read.plan import _arange
 from pikv_hf.tiny import tiny_model
 
 ROUTED = dict(router="key_cluster", num_shards=8, page_size=1, attention="routed", top_k_shards=2, sparse_from=0)
@@ -122,6 +123,7 @@ def test_deleting_the_cache_frees_everything_its_forwards_made(model, way):
         assert len(held) > 10 and len(created.refs) > 100
         layers = [weakref.ref(layer) for layer in cache.layers]
         del cache
+        _arange.cache_clear()  # read.plan's process-wide index constants (16 at most), shared by every cache
         alive = created.alive()
         assert not alive, f"{len(alive)} tensors a forward made outlive the cache: {[tuple(t.shape) for t in alive]}"
         assert all(r() is None for r in held + layers)

@@ -100,7 +100,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self._min_evicted = 0  # evicted.min(), kept as a Python int so that mask sizes need no device sync
         self.row_start: torch.Tensor | None = None  # [B] position of each row's first real token
         self._start_bounds = (0, 0)  # (min, max) of row_start over rows with a real token, as Python ints
-        self._last_qpos: torch.Tensor | None = None  # [q] positions of the latest update
+        self._last_qpos: torch.Tensor | None = None  # [q] positions of the latest update (during its forward)
+        self._last_q = 0  # its token count (kept after the forward)
         self._fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # latest K/V when the store was empty
         self._index_pos: torch.Tensor | None = None  # [B, H, n] positions of kvpress's head-mask index space
         self._masks_applied: tuple | None = None  # the head masks evicted last (kvpress repeats them every step)
@@ -135,7 +136,10 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
 
     @property
     def last_positions(self) -> torch.Tensor | None:
-        """``[q]`` positions of the tokens of the latest update."""
+        """``[q]`` positions of the tokens of the latest update (after its forward ended, when the layer no longer
+        holds them, made again from the count: an update's positions are the ``q`` after those seen before it)."""
+        if self._last_qpos is None and self._last_q and self.store is not None:
+            return torch.arange(self.seen - self._last_q, self.seen, device=self.store.device)
         return self._last_qpos
 
     def attention_module(self) -> torch.nn.Module | None:
@@ -217,7 +221,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self._fresh_kv = (key_states, value_states) if q > 1 and self.seen == 0 and present is None else None
         slots_of = None if present is None else present.unsqueeze(1).expand_as(shard)
         self.store.append(key_states, value_states, shard, token_index, slots_of, grow=not self.is_compileable)
-        self._last_qpos = token_index
+        self._last_qpos, self._last_q = token_index, q
         self._advance(q)
         if q > 1 and self.policy.sparse:
             self.policy.prepare(self._group(), self.row_start)
@@ -331,6 +335,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self._seen, self._min_evicted = 0, 0
         self.evicted = self.row_start = None
         self._last_qpos = self._fresh_kv = None
+        self._last_q = 0
         self._index_pos = self._masks_applied = None
         self.views.reset()
         self.placement.reset()
@@ -356,6 +361,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self._min_evicted = int(self.evicted.min())
         self._set_seen(max_length)
         self._last_qpos = self._fresh_kv = None
+        self._last_q = 0
         self._index_pos = self._masks_applied = None
 
     def _set_seen(self, value: int) -> None:
@@ -375,6 +381,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
             self._row_open = self._row_open.index_select(0, index)
             self._read_rows()
             self._last_qpos = self._fresh_kv = None
+            self._last_q = 0
             self._index_pos = None if self._index_pos is None else self._index_pos.index_select(0, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -59,8 +59,15 @@ class StaticPiKVLayer(PiKVLayer):
             )
 
     def end_forward(self) -> None:
+        """After an eager forward (a prefill, the presses' edits after it): what a compiled decode step reads exists
+        already (special slots, page bounds, miss counts), so the step changes no attribute dynamo guards on; on CUDA
+        the state tensors are marked as static addresses (``_state_tensors``)."""
         super().end_forward()
-        if self.store is not None and self.store.device.type == "cuda" and not torch.compiler.is_compiling():
+        if self.store is None or torch.compiler.is_compiling():
+            return
+        if self.policy.sparse:
+            self.policy.prepare(self._group(), self.row_start)
+        if self.store.device.type == "cuda":
             for t in _state_tensors(self):
                 torch._dynamo.mark_static_address(t, guard=False)
 

@@ -36,6 +36,11 @@ class QuestRead(SparseRead):
             return [self.plan(group.stores[0], qg, qpos, row_start)]
         return self.group_plans(group, qg, qpos, row_start)
 
+    def prepare(self, group: StoreGroup, row_start: torch.Tensor) -> None:
+        super().prepare(group, row_start)
+        for store in group.stores:  # the page bounds exist before a compiled step reads them
+            store.enable_page_bounds()
+
     def scores(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
         """``[B, H, W]`` Quest bound of every frame page of ``store`` (on its device): ``inf`` for sink / window
         pages, ``-inf`` for empty ones."""

@@ -43,6 +43,14 @@ class RoutedRead(SparseRead):
             for s in group.stores
         ]
 
+    def prepare(self, group: StoreGroup, row_start: torch.Tensor) -> None:
+        super().prepare(group, row_start)
+        if self.misses is None or self.misses.shape[:2] != (group.batch, group.heads):  # before a compiled step
+            shape = (group.batch, group.heads, group.num_shards)
+            self.misses = torch.zeros(shape, dtype=torch.int64, device=group.device)
+        if all(s.summaries_kept for s in group.stores):  # sums an eviction left stale: recounted here, not in a step
+            group.summary(self.misses)
+
     def choose(
         self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:

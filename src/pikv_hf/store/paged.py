@@ -354,7 +354,8 @@ class PagedStore:
             (self.stats, ("sum", "sq", "count", "min", "max")),
         ):
             for name in names:
-                setattr(owner, name, getattr(owner, name).to(device, non_blocking=True))
+                if getattr(owner, name) is not None:  # shard key statistics exist once summaries are kept
+                    setattr(owner, name, getattr(owner, name).to(device, non_blocking=True))
 
     # ------------------------------------------------------------------ reads
     def frame_slots(self) -> torch.Tensor:
@@ -397,6 +398,11 @@ class PagedStore:
         self.stats.recount(run * self.num_shards + shard, keys, self.pool["valid"], bounds=bounds)
         self._sums_stale = False
         self._bounds_stale &= not bounds
+
+    @property
+    def summaries_kept(self) -> bool:
+        """Whether shard key statistics are kept (from the first :meth:`summary` or :meth:`keep_summaries` on)."""
+        return self._summarised
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The shard summaries a selector reads (kept from the first call on, see :meth:`keep_summaries`; the sums

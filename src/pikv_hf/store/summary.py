@@ -70,7 +70,10 @@ class ShardStats:
 
     def add_count(self, shard: torch.Tensor) -> None:
         """Count one new token per (row, head) in its shard ``shard`` (``[B, H, 1]``): one scatter of a ones tensor
-        kept per shape."""
+        kept per shape (eager; a compiled step makes its own, so that it changes no attribute dynamo guards on)."""
+        if torch.compiler.is_compiling():
+            self.count.scatter_add_(2, shard, torch.ones_like(shard))
+            return
         if self._ones is None or self._ones.shape != shard.shape or self._ones.device != shard.device:
             self._ones = torch.ones_like(shard)
         self.count.scatter_add_(2, shard, self._ones)
@@ -101,14 +104,18 @@ class ShardStats:
         self._keep_keys()
         n = self.count.clamp(min=1).unsqueeze(-1)
         centroids = self.sum / n
-        if self._resident is None or self._resident.shape != self.count.shape:
-            self._resident = torch.ones_like(self.count, dtype=torch.bool)
+        if torch.compiler.is_compiling():  # a compiled step changes no attribute dynamo guards on
+            resident = torch.ones_like(self.count, dtype=torch.bool)
+        else:
+            if self._resident is None or self._resident.shape != self.count.shape:
+                self._resident = torch.ones_like(self.count, dtype=torch.bool)
+            resident = self._resident
         return ShardSummary(
             centroids=centroids,
             counts=self.count,
             key_min=self.min,
             key_max=self.max,
-            resident=self._resident,
+            resident=resident,
             misses=misses,
             key_var=torch.addcmul(self.sq / n, centroids, centroids, value=-1).clamp_(min=0),
         )
