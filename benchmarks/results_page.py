@@ -55,6 +55,7 @@ SECTIONS = [
 
 HEADLINE = [
     e2e.headline_e2e,
+    gpu.headline_gpu,
     e2e.headline_routing_gain,
     decode.headline_exact,
     routing.headline_quality,

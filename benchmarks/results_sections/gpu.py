@@ -138,3 +138,24 @@ def gpu(rec: Recorder) -> Body:
         "128 positions; H2O keeps half of each (row, KV head)'s tokens resident",
         text="\n\n".join(parts),
     )
+
+
+def headline_gpu(rec: Recorder) -> tuple[str, str, str] | None:
+    """Eager decode against DynamicCache on the first GPU file with a full eager point at batch 8."""
+    for path in rec.glob(GPU_GLOB):
+        for i, point in enumerate(rec.load(path).get("eager", [])):
+            res = point["results"]
+            ways = ("exact", "routed_1_8", "quest_1_8", "quant4")
+            if point["batch"] != 8 or not all("ms_ratio" in res.get(w, {}) for w in ways):
+                continue
+            key = f"eager.{i}.results."
+            r = {w: rec.fig("r2", at(path, key + f"{w}.ms_ratio")) for w in ways}
+            device = rec.load(path)["machine"]["device"]
+            return (
+                f"Decode vs DynamicCache on a GPU ({device}), {point['context']} tokens x batch {point['batch']}",
+                f"ms/token: exact {r['exact']}x, routed 1/8 {r['routed_1_8']}x, Quest 1/8 {r['quest_1_8']}x, 4-bit "
+                f"{r['quant4']}x DynamicCache's (eager, {point['shape']} shape, {point['layers']} layers, random "
+                "weights)",
+                "Decode on a GPU",
+            )
+    return None

@@ -75,7 +75,8 @@ class RoutedRead(SparseRead):
             chosen = torch.zeros(b, h, s, dtype=torch.bool, device=store.device).scatter_(2, selected, keep)
             lost = ~summary.resident if self.shard_evicted is None else (self.shard_evicted > 0) | ~summary.resident
             self.misses += (chosen & lost).long()
-        self._last = (summary, selected)
+        if self.learns():  # kept for feedback() alone (a learning selector reads recall back on the host)
+            self._last = (summary, selected)
         return selected, keep
 
     def read_shards(

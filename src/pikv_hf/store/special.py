@@ -76,8 +76,13 @@ class SpecialSlots:
         if masked:
             pos = torch.where(slot >= 0, pos, EMPTY)
         n, keep = self.n_sink, self.n_sink + min(slot.shape[-1], self.window)
-        self.slots = torch.cat([self.slots[..., :n], self.slots[..., keep:], slot[..., -self.window :]], -1)
-        self.pos = torch.cat([self.pos[..., :n], self.pos[..., keep:], pos[..., -self.window :]], -1)
+        slots = torch.cat([self.slots[..., :n], self.slots[..., keep:], slot[..., -self.window :]], -1)
+        pos = torch.cat([self.pos[..., :n], self.pos[..., keep:], pos[..., -self.window :]], -1)
+        if torch.compiler.is_compiling():  # in place: a CUDA graph replays over the same state tensors
+            self.slots.copy_(slots)
+            self.pos.copy_(pos)
+        else:
+            self.slots, self.pos = slots, pos
 
     def unread(self, qpos: torch.Tensor) -> torch.Tensor:
         """``[B, H, n_sink + window]`` bool: entries a query at ``qpos`` (one element) does not read (no slot; a recent

@@ -138,7 +138,12 @@ class PageTable:
         )
 
     def commit(self, a: Assignment) -> None:
-        self.n_pages, self.open_page, self.open_fill = a.need, a.open_page, a.open_fill
+        if torch.compiler.is_compiling():  # in place: a CUDA graph replays over the same state tensors
+            self.n_pages.copy_(a.need)
+            self.open_page.copy_(a.open_page)
+            self.open_fill.copy_(a.open_fill)
+        else:
+            self.n_pages, self.open_page, self.open_fill = a.need, a.open_page, a.open_fill
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Rows along ``index``; ``start`` / ``cap`` are left for the caller's relayout."""
