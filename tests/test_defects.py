@@ -109,7 +109,8 @@ def test_4_left_padded_rows_get_their_first_real_tokens_as_sinks():
     query = torch.randn(B, H * G, 1, D, generator=gen)
     out = layer.attend(query, D**-0.5, None, None)
     shards = shard_of_positions(layer.store, T + 1)
-    chosen = layer.policy._last[1]  # [B, H, 1] the selected shard of each row and head
+    # [B, H, 1] the selected shard of each row and head, chosen again from the same statistics
+    chosen, _ = layer.policy.choose(layer._group(), query[:, :, 0].reshape(B, H, G, D), D**-0.5)
     pos = torch.arange(T + 1)
     for bi in range(B):
         start = pads if bi == 1 else 0
