@@ -158,12 +158,16 @@ def _attention_statistics(
         end = int(((layout.pos <= qpos[-1]) & layout.valid).sum(-1).max())
         qc = queries[:, :, start:stop].reshape(b, h, g, stop - start, d)
         logits = torch.einsum("bhgqd,bhkd->bhgqk", qc.float(), keys32[:, :, :end]) * scale
-        rel = qpos.view(1, 1, -1, 1) - layout.pos[:, :, None, :end]  # [B, H, q, end] query - key distance
+        # [B, H, q, end] query - key distance (int32: a score-sized temporary, so half of int64's bytes)
+        rel = qpos.to(torch.int32).view(1, 1, -1, 1) - layout.pos[:, :, None, :end].to(torch.int32)
         visible = (rel >= 0) & layout.valid[:, :, None, :end] & query_ok[:, None, start:stop, None]
         if window:
             visible &= rel < window
-        prob = logits.masked_fill(~visible.unsqueeze(2), float("-inf")).softmax(-1)
-        prob = prob.nan_to_num(0.0).sum(2)  # [B, H, q, end], summed over G; a query that sees nothing gives 0
+        del rel
+        # in place where the tensor is this chunk's own: one score-sized float tensor alive at a time, not three
+        prob = logits.masked_fill_(~visible.unsqueeze(2), float("-inf")).softmax(-1)
+        del logits
+        prob = prob.nan_to_num_(0.0).sum(2)  # [B, H, q, end], summed over G; a query that sees nothing gives 0
         mass[..., :end] += prob.sum(2)
         if with_hits:
             hit = prob > g / visible.sum(-1, keepdim=True).float()
