@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pikv_hf.store.table import set_state
+
 _NONE = torch.iinfo(torch.int64).max
 EMPTY = -(2**62)  # the position kept for "no slot": below every reach
 _SINK_REACH = 2**61  # a sink is read at any distance from the query
@@ -78,11 +80,7 @@ class SpecialSlots:
         n, keep = self.n_sink, self.n_sink + min(slot.shape[-1], self.window)
         slots = torch.cat([self.slots[..., :n], self.slots[..., keep:], slot[..., -self.window :]], -1)
         pos = torch.cat([self.pos[..., :n], self.pos[..., keep:], pos[..., -self.window :]], -1)
-        if torch.compiler.is_compiling():  # in place: a CUDA graph replays over the same state tensors
-            self.slots.copy_(slots)
-            self.pos.copy_(pos)
-        else:
-            self.slots, self.pos = slots, pos
+        set_state(self, slots=slots, pos=pos)
 
     def unread(self, qpos: torch.Tensor) -> torch.Tensor:
         """``[B, H, n_sink + window]`` bool: entries a query at ``qpos`` (one element) does not read (no slot; a recent

@@ -36,6 +36,16 @@ class Assignment:
     open_fill: torch.Tensor
 
 
+def set_state(owner: object, **values: torch.Tensor) -> None:
+    """Set ``owner``'s state tensors: rebound in eager code, written in place under compile (a CUDA graph replays over
+    the same tensors; a state tensor replaced by a graph output is overwritten by the next replay)."""
+    for name, value in values.items():
+        if torch.compiler.is_compiling():
+            getattr(owner, name).copy_(value)
+        else:
+            setattr(owner, name, value)
+
+
 class PageTable:
     """Runs of pool pages per (row, KV head); see the module docstring."""
 
@@ -138,12 +148,7 @@ class PageTable:
         )
 
     def commit(self, a: Assignment) -> None:
-        if torch.compiler.is_compiling():  # in place: a CUDA graph replays over the same state tensors
-            self.n_pages.copy_(a.need)
-            self.open_page.copy_(a.open_page)
-            self.open_fill.copy_(a.open_fill)
-        else:
-            self.n_pages, self.open_page, self.open_fill = a.need, a.open_page, a.open_fill
+        set_state(self, n_pages=a.need, open_page=a.open_page, open_fill=a.open_fill)
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Rows along ``index``; ``start`` / ``cap`` are left for the caller's relayout."""
