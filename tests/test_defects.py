@@ -225,5 +225,6 @@ def test_decode_after_ragged_eviction_grows_runs_and_stays_exact(page_size):
     whole_pages = per_shard.add(page_size - 1).div(page_size, rounding_mode="floor").sum(-1)
     cap = layer.store.table.cap
     assert torch.equal(layer.store.table.n_pages, whole_pages)
-    assert bool((cap >= whole_pages).all() and (cap <= whole_pages + whole_pages // 64).all())  # growth headroom
+    # growth headroom: 1/64, at least one page once a decode append found its run full (reserved a step ahead)
+    assert bool((cap >= whole_pages).all() and (cap <= whole_pages + (whole_pages // 64).clamp(min=1)).all())
     assert layer.store.kv_nbytes() == int(cap.sum()) * page_size * 2 * D * 4

@@ -298,8 +298,11 @@ def test_offloaded_tokens_are_read_back_and_counted(target, shipped_sparse_from)
     whole = _cache(model)
     with torch.no_grad():
         model(ids, past_key_values=whole)
-    # resident bytes: the recent half (+ partly filled pages); the other half is held by the offload tier
-    assert cache.kv_nbytes() < 0.7 * whole.kv_nbytes() and cache.offloaded_nbytes() >= 0.4 * whole.kv_nbytes()
+    # resident bytes: the recent half (+ partly filled pages, and the page a decode append reserves ahead: 1 of 10
+    # here); the other half is held by the offload tier
+    held = cache.kv_nbytes() - sum(layer.empty_nbytes() for layer in cache.layers)  # bytes of the tokens held
+    assert held < 0.6 * whole.kv_nbytes() and cache.kv_nbytes() <= 0.7 * whole.kv_nbytes()
+    assert cache.offloaded_nbytes() >= 0.4 * whole.kv_nbytes()
     # routed reads over both tiers: offloaded shards selected count as misses and their bytes as fetched
     routed = _cache(model)
     with FlexGenPress(R, offload=target)(model):

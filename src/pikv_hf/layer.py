@@ -25,6 +25,7 @@ from pikv_hf.edits import LayerEdits
 from pikv_hf.forward import ForwardState, PagedKV
 from pikv_hf.read import make_policy
 from pikv_hf.routing import Placement, PlacementContext
+from pikv_hf.routing.hash import RoundRobinPlacement
 from pikv_hf.step import DecodeStep, Query
 from pikv_hf.store import PagedStore
 from pikv_hf.store.tiers import OFFLOAD, LayerStores
@@ -169,7 +170,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
 
     def _token_index(self, q: int, device: torch.device) -> torch.Tensor:
         """``[q]`` ordinals (positions) of the next ``q`` tokens."""
-        return torch.arange(q, device=device) + self._seen
+        return torch.arange(self._seen, self._seen + q, device=device)
 
     def _advance(self, q: int) -> None:
         self._seen += q
@@ -212,15 +213,22 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.views.touch()
         token_index = self._token_index(q, key_states.device)
         self._note_rows(present, token_index)
-        ctx = PlacementContext(
-            self.layer_idx, key_states, token_index, self.page_size, self.num_shards, present,
-            self.row_start if self._padded else None,
-        )  # fmt: skip
-        shard = self.placement.place(ctx)
+        row_start = self.row_start if self._padded else None
+        decode = q == 1 and present is None and isinstance(self.store, PagedStore)
+        if decode and isinstance(self.placement, RoundRobinPlacement):
+            shard = None  # placed by the append operator itself
+        else:
+            ctx = PlacementContext(
+                self.layer_idx, key_states, token_index, self.page_size, self.num_shards, present, row_start
+            )
+            shard = self.placement.place(ctx)
         # the first chunk into an empty layer (no padding) is attended with SDPA over these tensors, then dropped
         self._fresh_kv = (key_states, value_states) if q > 1 and self.seen == 0 and present is None else None
-        slots_of = None if present is None else present.unsqueeze(1).expand_as(shard)
-        self.store.append(key_states, value_states, shard, token_index, slots_of, grow=not self.is_compileable)
+        if decode:  # one token per (row, head): one operator (pikv_hf.kernels.append)
+            self.store.append_one(key_states, value_states, shard, token_index, row_start, not self.is_compileable)
+        else:
+            slots_of = None if present is None else present.unsqueeze(1).expand_as(shard)
+            self.store.append(key_states, value_states, shard, token_index, slots_of, grow=not self.is_compileable)
         self._last_qpos, self._last_q = token_index, q
         self._advance(q)
         if q > 1 and self.policy.sparse:
@@ -228,7 +236,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         if q > 1 and self.is_compileable:  # counters a compiled decode step adds to exist before it is traced
             self.step.stats.prepare(key_states.shape[0] * key_states.shape[1], self.store.device)
         if self._index_pos is not None:  # head masks in use: their index space grows with the new tokens
-            self._index_pos = torch.cat([self._index_pos, token_index.to(self._index_pos).expand(*shard.shape)], -1)
+            grown = token_index.to(self._index_pos).expand(*key_states.shape[:3])
+            self._index_pos = torch.cat([self._index_pos, grown], -1)
 
     def _check_capacity(self, q: int) -> None:
         """Raise before storing ``q`` more tokens than the layer may hold (reserved caches)."""

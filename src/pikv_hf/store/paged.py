@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.codecs import Codec, IdentityCodec
+from pikv_hf.kernels.append import append_one
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.store.bounds import add_page_bounds, fold_page_bounds, rebuild_page_bounds
 from pikv_hf.store.page_codec import append_to_pages, encode_pages
@@ -93,7 +94,8 @@ class PagedStore:
         self._sums_stale = False  # key sums lost track after a re-pack: recounted when a selector reads them
         self._bounds_stale = False  # shard min / max too: a re-pack moved tokens between shards (pooled tails)
         self._summarised = False  # key statistics kept at all (from the first summary() on; counts always)
-        self._room = 0  # pages every run can still take without a relayout (a lower bound, kept on the host)
+        self._room = 0  # pages every run could still take when last counted (a lower bound, kept on the host)
+        self._since = 0  # decode tokens per run appended since (append_one): the pages they opened are bounded
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
         self._marks: SpecialSlots | None = None  # the sink and recent-window slots (special_slots), kept on appends
 
@@ -123,7 +125,10 @@ class PagedStore:
         src[(self.table.start.unsqueeze(-1) + j)[used]] = (src_start.unsqueeze(-1) + j)[used]
         self.pool.remap_pages(src)
         self._marks = None  # pages moved: slot ids changed
-        self._room = int((cap - n_pages).min()) if cap.numel() else 0
+        self._set_room(int((cap - n_pages).min()) if cap.numel() else 0)
+
+    def _set_room(self, room: int) -> None:
+        self._room, self._since = room, 0
 
     def _reserve(self, need: torch.Tensor, q: int) -> None:
         """Grow the runs that need more than ``need`` (``[B, H]``) pages, with 1/64 headroom (uniform stays uniform).
@@ -132,12 +137,12 @@ class PagedStore:
         room (``_room``, counted down on the host) nothing is read back from the device."""
         t = self.table
         most = min(q, self.num_shards) + q // self.page_size
-        if self._room >= most:
-            self._room -= most
+        if self._room - self._opened(self._since, False) >= most:
+            self._set_room(self._room - self._opened(self._since, False) - most)
             return
         room = int((t.cap - need).min())
         if room >= 0:
-            self._room = room
+            self._set_room(room)
             return
         if t.uniform:
             top = int(need.max())
@@ -145,7 +150,38 @@ class PagedStore:
         else:
             cap = torch.where(need > t.cap, need + need // 64, t.cap)
         self._relayout(cap, t.start, t.n_pages)
-        self._room = int((cap - need).min())
+        self._set_room(int((cap - need).min()))
+
+    def _opened(self, n: int, round_robin: bool) -> int:
+        """Most pages one run can have opened for ``n`` decode tokens: a shard given ``n_j`` of them opens at most
+        ``ceil(n_j / P)``; summed, ``n // P`` plus one per shard left with a partial page, of which the page-granular
+        round robin touches at most ``(n - 1) // P + 2``."""
+        p = self.page_size
+        if n == 0 or p == 1:
+            return n // p
+        return n // p + min(self.num_shards, n, (n - 1) // p + 2 if round_robin else n)
+
+    def _reserve_one(self, round_robin: bool) -> None:
+        """Room for one more token per run. While the pages the decode tokens since the last count can have opened
+        stay within the room counted then, nothing is read back from the device (with the 1/64 headroom of a grown
+        run, a count every ``P * cap / 128`` steps or so). A count that finds a run full grows it by 1/64, at least
+        one page: the next page is reserved before a token needs it (the operator cannot grow a run)."""
+        n = self._since + 1
+        if self._opened(n, round_robin) <= self._room:
+            self._since = n
+            return
+        t = self.table
+        used = t.n_pages
+        room = int((t.cap - used).min()) if t.cap.numel() else 0
+        if room < 1:
+            if t.uniform:
+                top = int(used.max())
+                cap = torch.full_like(t.cap, top + max(top // 64, 1))
+            else:
+                cap = torch.where(used >= t.cap, used + (used // 64).clamp(min=1), t.cap)
+            self._relayout(cap, t.start, used)
+            room = int((cap - used).min())
+        self._room, self._since = room, 1
 
     # ------------------------------------------------------------------ writes
     def reserve(self, pages: int) -> None:
@@ -199,13 +235,12 @@ class PagedStore:
         if not grow:  # saturate: a run past its reservation (compiled code, unchecked) overwrites its own last page
             local = torch.minimum(local, self.table.cap.unsqueeze(-1) - 1)
         slot = (self.table.start.unsqueeze(-1) + local) * self.page_size + a.offset
-        pos_one = pos.reshape(-1)[0] if q == 1 and present is None else None
         flat_tokens = (
             keys.reshape(-1, self.k_dim),
             values.reshape(-1, self.v_dim),
             shard.reshape(-1),
-            pos if pos_one is not None else pos.to(torch.int32).expand(b, h, q).reshape(-1),
-            self._bhs(shard).reshape(-1) if present is not None or q > 1 else shard,
+            pos.to(torch.int32).expand(b, h, q).reshape(-1),
+            self._bhs(shard).reshape(-1),
             slot.reshape(-1),
         )
         if present is not None:
@@ -216,34 +251,66 @@ class PagedStore:
         if not self.codec.page_level:
             for name, t in self.codec.encode(k, v).items():
                 self.pool.write(name, flat, t)
-        if pos_one is not None:  # one position for every (row, head): a fill, no expanded copy
-            self.pool.flat("pos").index_fill_(0, flat, pos_one)
-        else:
-            self.pool.write("pos", flat, pos)
+        self.pool.write("pos", flat, pos)
         self.pool.flat("valid").index_fill_(0, flat, True)
         self.pool.flat("bias").index_fill_(0, flat, 0.0)
         if self.codec.page_level:
             append_to_pages(self.pool, self.codec, self.kv_fields, flat, k, v, self.page_heads())
         for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
-            if pos_one is not None:
-                self.pool.flat(name).index_fill_(0, flat, pos_one if name == "last_access" else 0)
-                continue
             fresh = pos if name == "last_access" else torch.zeros(flat.numel(), device=self.device)
             self.pool.write(name, flat, fresh.to(self.pool.specs[name].dtype))
         page = flat.div(self.page_size, rounding_mode="floor")
         self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
-        if present is not None or q > 1:
-            self.stats.add(bhs, k, counts_only=not self._summarised)
-        elif self._summarised:  # one token per (row, head): one scatter per statistic
-            self.stats.add_one(shard, keys)
-        else:  # counts only
-            self.stats.add_count(shard)
+        self.stats.add(bhs, k, counts_only=not self._summarised)
         if self.page_bounds_kept:
             fold_page_bounds(self.pool, page, k)
         if q > 1:  # a chunk (or tokens moved in from another store) may hold sinks: found again when next asked
             self._marks = None
         elif self._marks is not None:
             self._marks.push(slot, positions, present is not None)
+        return slot
+
+    def append_one(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        shard: torch.Tensor | None,
+        pos: torch.Tensor,
+        row_start: torch.Tensor | None = None,
+        grow: bool = True,
+    ) -> torch.Tensor:
+        """:meth:`append` of one token per (row, head), every token present: a decode step.
+
+        ``keys`` / ``values`` ``[B, H, 1, D]``; ``shard`` ``[B, H, 1]``, or None for the page-granular round robin on
+        each row's token ordinal (``pos - row_start``, ``row_start`` ``[B]`` or None: 0); ``pos`` ``[1]``: the tokens'
+        sequence position. Slot assignment and the writes of the token, its page's shard,
+        the shard's count and (once kept) key statistics are one operator (``pikv_hf.kernels.append``: one kernel
+        launch on CUDA); a codec's encoding, slot statistics and Quest's page bounds follow. Returns ``[B, H, 1]``
+        flat slots."""
+        if grow:
+            self._reserve_one(shard is None)
+        t, pool = self.table, self.pool
+        sums = self.stats.key_stats() if self._summarised else (None,) * 4
+        identity = isinstance(self.codec, IdentityCodec)
+        slot = append_one(
+            t.open_page, t.open_fill, t.n_pages, t.start, None if grow else t.cap,
+            None if shard is None else shard.squeeze(-1), row_start, pos, keys.squeeze(2), values.squeeze(2),
+            pool["keys"] if identity else None, pool["values"] if identity else None,
+            pool["pos"], pool["valid"], pool["bias"], pool["shard"], self.stats.count, *sums,
+        ).unsqueeze(-1)  # fmt: skip
+        flat = slot.view(-1)
+        k, v = keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim)
+        if self.codec.page_level:
+            append_to_pages(pool, self.codec, self.kv_fields, flat, k, v, self.page_heads())
+        elif not identity:
+            for name, field in self.codec.encode(k, v).items():
+                pool.write(name, flat, field)
+        for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
+            pool.flat(name).index_fill_(0, flat, pos.view(()) if name == "last_access" else 0)
+        if self.page_bounds_kept:
+            fold_page_bounds(pool, flat.div(self.page_size, rounding_mode="floor"), k)
+        if self._marks is not None:
+            self._marks.push(slot, pos, False)
         return slot
 
     def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> SpecialSlots:
@@ -311,7 +378,7 @@ class PagedStore:
         self.stats.count = r.count
         self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
         self._bounds_stale |= r.moved
-        self._room = int((t.cap - n_pages).min()) if n_pages.numel() else 0
+        self._set_room(int((t.cap - n_pages).min()) if n_pages.numel() else 0)
         if bounds:
             rebuild_page_bounds(self.pool, self._decoded()[0])
         return removed.sum(-1)

@@ -17,7 +17,7 @@ from pikv_hf.routing.base import ShardSummary
 class ShardStats:
     """``[B, H, S, Dk]`` float32 sums / squares / min / max and ``[B, H, S]`` int64 counts of the valid keys.
 
-    The four key statistics are allocated when first kept (:meth:`add` with keys, :meth:`add_one`, :meth:`recount`):
+    The four key statistics are allocated when first kept (:meth:`add` with keys, :meth:`key_stats`, :meth:`recount`):
     a store nobody selects shards of keeps only counts, and 4 x ``S x Dk`` floats per (row, head) are a quarter of
     a 4k-token fp16 KV at 256 shards.
     """
@@ -29,7 +29,6 @@ class ShardStats:
         self.count = torch.zeros(batch, heads, num_shards, dtype=torch.int64, device=device)
         self.sum = self.sq = self.min = self.max = None
         self._resident: torch.Tensor | None = None  # every shard resident (a store holds its own pages)
-        self._ones: torch.Tensor | None = None  # [B, H, 1] int64 ones (add_count)
 
     def _keep_keys(self) -> None:
         """Allocate the key statistics (empty: zero sums, +inf / -inf bounds) unless kept already."""
@@ -38,6 +37,11 @@ class ShardStats:
             self.sq = torch.zeros_like(self.sum)
             self.min = torch.full_like(self.sum, float("inf"))
             self.max = torch.full_like(self.sum, float("-inf"))
+
+    def key_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The key sums, squares, min and max (allocated if not kept yet), for an operator that folds keys in."""
+        self._keep_keys()
+        return self.sum, self.sq, self.min, self.max
 
     def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1, counts_only: bool = False) -> None:
         """Fold ``[M, Dk]`` keys of flat ``(row, head, shard)`` ids ``bhs`` (``[M]``) in (``sign=1``) or out
@@ -55,28 +59,6 @@ class ShardStats:
             idx = bhs.unsqueeze(-1).expand_as(k)
             self.min.view(-1, d).scatter_reduce_(0, idx, k, "amin")
             self.max.view(-1, d).scatter_reduce_(0, idx, k, "amax")
-
-    def add_one(self, shard: torch.Tensor, keys: torch.Tensor) -> None:
-        """Fold in one new key per (row, head): ``shard`` ``[B, H, 1]``, ``keys`` ``[B, H, 1, Dk]`` (a decode step; one
-        scatter per statistic)."""
-        self._keep_keys()
-        k = keys.float()
-        at = shard.unsqueeze(-1).expand(*shard.shape, k.shape[-1])
-        self.sum.scatter_add_(2, at, k)
-        self.sq.scatter_add_(2, at, k * k)
-        self.add_count(shard)
-        self.min.scatter_reduce_(2, at, k, "amin")
-        self.max.scatter_reduce_(2, at, k, "amax")
-
-    def add_count(self, shard: torch.Tensor) -> None:
-        """Count one new token per (row, head) in its shard ``shard`` (``[B, H, 1]``): one scatter of a ones tensor
-        kept per shape (eager; a compiled step makes its own, so that it changes no attribute dynamo guards on)."""
-        if torch.compiler.is_compiling():
-            self.count.scatter_add_(2, shard, torch.ones_like(shard))
-            return
-        if self._ones is None or self._ones.shape != shard.shape or self._ones.device != shard.device:
-            self._ones = torch.ones_like(shard)
-        self.count.scatter_add_(2, shard, self._ones)
 
     def recount(self, bhs: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, bounds: bool = False) -> None:
         """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat

@@ -99,8 +99,6 @@ class PageTable:
         """
         b, h, q = shard.shape
         p, s = self.page_size, self.num_shards
-        if q == 1 and present is None:
-            return self._assign_one(shard)
         # rank of each token among the new tokens of its shard, by a stable sort (no [B, H, q, S] one-hot); absent
         # tokens sort into an extra shard S that no page belongs to
         key = shard if present is None else torch.where(present, shard, s)
@@ -127,24 +125,6 @@ class PageTable:
             need=self.n_pages + n_new.sum(-1),
             open_page=torch.where(n_new > 0, first_new + n_new - 1, self.open_page),
             open_fill=torch.where(n_new > 0, base + count - p * n_new, base + count),
-        )
-
-    def _assign_one(self, shard: torch.Tensor) -> Assignment:
-        """:meth:`assign` of one token per (row, head) (a decode step): its shard's open page if it has room, else a
-        new page at the end of the run."""
-        p = self.page_size
-        page = self.open_page.gather(-1, shard)  # [B, H, 1]
-        fill = self.open_fill.gather(-1, shard)
-        new = fill >= p  # the shard's page is full, or it has none
-        n_pages = self.n_pages.unsqueeze(-1)
-        local_page = torch.where(new, n_pages, page)
-        offset = fill.masked_fill(new, 0)
-        return Assignment(
-            local_page=local_page,
-            offset=offset,
-            need=(n_pages + new).squeeze(-1),
-            open_page=self.open_page.scatter(-1, shard, local_page),
-            open_fill=self.open_fill.scatter(-1, shard, offset + 1),
         )
 
     def commit(self, a: Assignment) -> None:
