@@ -11,11 +11,14 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.config import ReadConfig
-from pikv_hf.read.plan import ReadPlan, compact
+from pikv_hf.kernels.route_select import route_select
+from pikv_hf.kernels.routed_plan import routed_plan
+from pikv_hf.read.plan import ReadPlan
 from pikv_hf.read.policy import SparseRead, register, special_pages
 from pikv_hf.routing import Selector, make_selector
-from pikv_hf.routing.base import ShardSummary
+from pikv_hf.routing.base import ShardSummary, check_select_args
 from pikv_hf.routing.scores import estimated_mass
+from pikv_hf.routing.topk import TopKSelector
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
 
@@ -37,10 +40,9 @@ class RoutedRead(SparseRead):
         self, group: StoreGroup, qg: torch.Tensor, scale: float, qpos: torch.Tensor, row_start: torch.Tensor
     ) -> list[ReadPlan]:
         """Shards chosen once from the statistics of every store, then read from each store that holds them."""
-        selected, keep = self.choose(group, qg, scale)
+        chosen = self.chosen(group, qg, scale)
         return [
-            self.read_shards(s, selected.to(s.device), keep.to(s.device), qpos.to(s.device), row_start.to(s.device))
-            for s in group.stores
+            self.read_shards(s, chosen.to(s.device), qpos.to(s.device), row_start.to(s.device)) for s in group.stores
         ]
 
     def prepare(self, group: StoreGroup, row_start: torch.Tensor) -> None:
@@ -50,6 +52,28 @@ class RoutedRead(SparseRead):
             self.misses = torch.zeros(shape, dtype=torch.int64, device=group.device)
         if all(s.summaries_kept for s in group.stores):  # sums an eviction left stale: recounted here, not in a step
             group.summary(self.misses)
+
+    def chosen(self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float) -> torch.Tensor:
+        """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) read, as :meth:`choose` selects
+        them. The top-k centroid selector, which neither counts misses nor learns, selects in one operator
+        (``pikv_hf.kernels.route_select``)."""
+        plain = type(self.selector) is TopKSelector and self.selector.score == "centroid"
+        if not plain or self.learns():
+            selected, keep = self.choose(store, qg, scale)
+            b, h, s = store.batch, store.heads, store.num_shards
+            return torch.zeros(b, h, s, dtype=torch.bool, device=selected.device).scatter_(2, selected, keep)
+        summary = self._summary(store)
+        check_select_args(qg, summary, self.config.top_k_shards)
+        key_var = summary.key_var if self.config.mass_target is not None else None
+        return route_select(
+            qg, summary.centroids, summary.counts, key_var, scale, self.config.top_k_shards, self.config.mass_target
+        )
+
+    def _summary(self, store: PagedStore | StoreGroup) -> ShardSummary:
+        b, h, s = store.batch, store.heads, store.num_shards
+        if self.misses is None or self.misses.shape[:2] != (b, h):
+            self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=store.device)
+        return store.summary(self.misses)
 
     def choose(
         self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float
@@ -62,9 +86,7 @@ class RoutedRead(SparseRead):
         """
         cfg = self.config
         b, h, s = store.batch, store.heads, store.num_shards
-        if self.misses is None or self.misses.shape[:2] != (b, h):
-            self.misses = torch.zeros(b, h, s, dtype=torch.int64, device=store.device)
-        summary = store.summary(self.misses)
+        summary = self._summary(store)
         selected = self.selector.select(qg, summary, cfg.top_k_shards)
         if cfg.mass_target is None:
             keep = torch.ones_like(selected, dtype=torch.bool)
@@ -80,26 +102,16 @@ class RoutedRead(SparseRead):
         return selected, keep
 
     def read_shards(
-        self,
-        store: PagedStore,
-        selected: torch.Tensor,
-        keep: torch.Tensor,
-        qpos: torch.Tensor,
-        row_start: torch.Tensor,
+        self, store: PagedStore, chosen: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor
     ) -> ReadPlan:
-        """The plan reading, from ``store``, the pages of the shards ``selected`` where ``keep`` (both ``[B, H, k]``),
-        and the pages holding the row's sink and recent-window tokens (of those, only the sink / recent tokens
-        count)."""
+        """The plan reading, from ``store``, the pages of the shards ``chosen`` (``[B, H, S]`` bool) and the pages
+        holding the row's sink and recent-window tokens (of those, only the sink / recent tokens count), compacted in
+        one operator (``pikv_hf.kernels.routed_plan``)."""
         cfg = self.config
-        s = store.num_shards
-        chosen = torch.zeros(*selected.shape[:2], s + 1, dtype=torch.bool, device=store.device)  # S: no shard
-        chosen.scatter_(2, selected, keep)
-        full = chosen.gather(2, store.frame("shard").long() % (s + 1))  # an unused page (-1) reads column S
-        need = full | special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
-        pages = compact(need, store.table.width())
+        special = special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
+        pages, page_full = routed_plan(chosen, store.frame("shard"), special)
         if store.page_size == 1:  # a sink or window page holds just that token: every planned page is read whole
             return ReadPlan(pages)
-        page_full = full.gather(2, pages.clamp(min=0)) & (pages >= 0)
         return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start)
 
     def learns(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.checks import check_int_at_least
+from pikv_hf.kernels.place_key import place_key
 from pikv_hf.routing.base import Placement, PlacementContext
 
 
@@ -128,14 +129,6 @@ class KeyClusterPlacement(Placement):
         return shard
 
     def _place_one(self, keys: torch.Tensor) -> torch.Tensor:
-        """One decode token per row: nearest centroid by ``k . c - |c|^2 / 2``, then its running mean moves."""
-        score = (keys @ self.centroids.transpose(-1, -2)).squeeze(2) - self.norms  # [B, H, S]
-        shard = score.argmax(-1, keepdim=True)  # [B, H, 1]
-        at = shard.unsqueeze(-1).expand(*shard.shape, keys.shape[-1])
-        n = self.counts.gather(2, shard) + 1
-        c = self.centroids.gather(2, at)
-        c = c + (keys - c) / n.unsqueeze(-1).to(keys.dtype)
-        self.centroids.scatter_(2, at, c)
-        self.counts.scatter_(2, shard, n)
-        self.norms.scatter_(2, shard, c.square().sum(-1) / 2)
-        return shard
+        """One decode token per row: nearest centroid by ``k . c - |c|^2 / 2``, then its running mean moves (one
+        operator, ``pikv_hf.kernels.place_key``)."""
+        return place_key(keys, self.centroids, self.counts, self.norms)

@@ -59,8 +59,13 @@ def centroid_scores(query: torch.Tensor, summary: ShardSummary) -> torch.Tensor:
     torch.Tensor
         ``[B, H, S]`` float32 ``max_g q_g . c_s``; ``-inf`` for an empty shard.
     """
-    scores = summary.query_dots(query).amax(dim=-2)
-    return scores.masked_fill(summary.counts == 0, float("-inf"))
+    return scores_of_dots(summary.query_dots(query), summary.counts)
+
+
+def scores_of_dots(dots: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[B, H, S]`` centroid scores from the products ``dots`` (``[B, H, G, S]`` ``q_g . c_s``) and ``counts``
+    (``[B, H, S]``): the max over the query rows, ``-inf`` for an empty shard."""
+    return dots.amax(dim=-2).masked_fill(counts == 0, float("-inf"))
 
 
 def bound_scores(query: torch.Tensor, summary: ShardSummary) -> torch.Tensor:
@@ -133,14 +138,22 @@ def estimated_mass(query: torch.Tensor, summary: ShardSummary, scale: float) -> 
     """
     if summary.key_var is None:
         raise ValueError("summary.key_var is required to estimate attention mass")
+    return mass_of_dots(summary.query_dots(query), query, summary.key_var, summary.counts, scale)
+
+
+def mass_of_dots(
+    dots: torch.Tensor, query: torch.Tensor, key_var: torch.Tensor, counts: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`estimated_mass` from the products ``dots`` (``[B, H, G, S]`` ``q_g . c_s``), the query rows ``query``
+    (``[B, H, G, D]``), the keys' per-dimension variance ``key_var`` (``[B, H, S, D]``) and ``counts``
+    (``[B, H, S]``)."""
     q = query.float()
-    dots = summary.query_dots(query)
     b, h, g, n = dots.shape
-    var = summary.key_var.float().reshape(b * h, n, -1).transpose(-1, -2)
+    var = key_var.float().reshape(b * h, n, -1).transpose(-1, -2)
     q2 = q.square().reshape(b * h, g, -1)
     # s q.mu + s^2 / 2 q^2.var, one batched product
     logit = torch.baddbmm(dots.reshape(b * h, g, n), q2, var, beta=scale, alpha=0.5 * scale**2)
-    logit = logit.view(b, h, g, n) + summary.counts.log().unsqueeze(-2)  # log n: -inf for an empty shard, no share
+    logit = logit.view(b, h, g, n) + counts.log().unsqueeze(-2)  # log n: -inf for an empty shard, no share
     return torch.softmax(logit, dim=-1).mean(dim=-2)
 
 

@@ -1,0 +1,199 @@
+"""The routed step's kernels (``pikv_hf.kernels.route_select``, ``routed_plan``, ``place_key``) against their torch
+references, and the references against loops over the definitions (float64 masses, Python sorts). Without a GPU the
+kernels run interpreted on CPU (``conftest.py`` sets ``TRITON_INTERPRET=1``); the operators' CPU implementations are
+the references, so these tests call the kernels' launchers directly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pikv_hf.kernels import place_key as place_mod
+from pikv_hf.kernels import route_select as select_mod
+from pikv_hf.kernels import routed_plan as plan_mod
+from pikv_hf.kernels._triton import interpreted
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _runs(kernel) -> bool:
+    return DEVICE.type == "cuda" or interpreted(kernel)
+
+
+def _summary(b, h, g, s, d, seed, empty=0.2):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, h, g, d, generator=gen)
+    centroids = torch.randn(b, h, s, d, generator=gen)
+    counts = torch.randint(1, 40, (b, h, s), generator=gen)
+    counts[torch.rand(b, h, s, generator=gen) < empty] = 0
+    centroids[counts == 0] = 0
+    key_var = torch.rand(b, h, s, d, generator=gen) * (counts > 0).unsqueeze(-1)
+    centroids[0, 0, 2] = centroids[0, 0, 5]  # a tie: the lower id ranks first
+    counts[0, 0, 2] = counts[0, 0, 5] = 5
+    return [t.to(DEVICE) for t in (query, centroids, counts, key_var)]
+
+
+def _loop_select(query, centroids, counts, key_var, scale, k, target):
+    """The selection from its definition: rows ranked by max_g q.c (stable, empty shards last by id), the shortest
+    prefix of the k best whose float64 Gaussian mass estimate reaches ``target``."""
+    b, h, _, _ = query.shape
+    s = counts.shape[-1]
+    out = torch.zeros(b, h, s, dtype=torch.bool)
+    q, c, var, n = (t.double().cpu() for t in (query, centroids, key_var, counts))
+    for bi in range(b):
+        for hi in range(h):
+            dots = q[bi, hi] @ c[bi, hi].T  # [G, S]
+            score = [float("-inf") if n[bi, hi, j] == 0 else float(dots[:, j].max()) for j in range(s)]
+            order = sorted(range(s), key=lambda j: (-score[j], j))[:k]
+            logit = dots * scale + 0.5 * scale**2 * (q[bi, hi] ** 2 @ var[bi, hi].T) + n[bi, hi].log()
+            mass = logit.softmax(-1).mean(0)
+            covered = 0.0
+            for j in order:
+                out[bi, hi, j] = True
+                covered += float(mass[j])
+                if target is not None and covered >= target:
+                    break
+    return out
+
+
+@pytest.mark.parametrize("k, target", [(64, 0.9), (5, None), (100, 0.5), (1, 0.99)])
+def test_route_select_reference_follows_the_definition(k, target):
+    query, centroids, counts, key_var = _summary(2, 2, 3, 100, 24, seed=k)
+    got = select_mod.route_select_reference(query, centroids, counts, key_var, 0.3, k, -1 if target is None else target)
+    assert torch.equal(got.cpu(), _loop_select(query, centroids, counts, key_var, 0.3, k, target))
+    assert int(got.sum()) >= 2 * 2  # at least one shard per (row, head)
+
+
+@pytest.mark.skipif(not _runs(select_mod._route_select_kernel), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "b, h, g, s, d, k, target",
+    [(2, 2, 3, 100, 24, 64, 0.97), (1, 3, 4, 256, 64, 64, 0.9), (2, 1, 1, 7, 16, 3, None), (1, 2, 2, 130, 8, 130, 0.5)],
+)
+def test_route_select_kernel_equals_reference(b, h, g, s, d, k, target):
+    query, centroids, counts, key_var = _summary(b, h, g, s, d, seed=s + k)
+    t = -1.0 if target is None else target
+    want = select_mod.route_select_reference(query, centroids, counts, key_var, d**-0.5, k, t)
+    got = select_mod._launch(query, centroids, counts, key_var if target is not None else None, d**-0.5, k, t)
+    assert torch.equal(got, want)
+    assert bool((got.sum(-1) <= k).all()) and bool((got.sum(-1) >= 1).all())
+
+
+def _plan_case(b, h, s, w, seed):
+    gen = torch.Generator().manual_seed(seed)
+    chosen = torch.rand(b, h, s, generator=gen) < 0.3
+    shard = torch.randint(-1, s, (b, h, w), generator=gen, dtype=torch.int32)
+    special = torch.rand(b, h, w, generator=gen) < 0.1
+    return chosen.to(DEVICE), shard.to(DEVICE), special.to(DEVICE)
+
+
+def test_routed_plan_reference_follows_the_definition():
+    chosen, shard, special = _plan_case(2, 3, 9, 50, seed=1)
+    pages, full = plan_mod.routed_plan_reference(chosen, shard, special)
+    for bi in range(2):
+        for hi in range(3):
+            sel = [bool(chosen[bi, hi, j]) if j >= 0 else False for j in shard[bi, hi].tolist()]
+            need = [i for i in range(50) if sel[i] or bool(special[bi, hi, i])]
+            assert pages[bi, hi].tolist() == need + [-1] * (50 - len(need))
+            assert full[bi, hi].tolist() == [sel[i] for i in need] + [False] * (50 - len(need))
+
+
+@pytest.mark.skipif(not _runs(plan_mod._routed_plan_kernel), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("b, h, s, w", [(2, 3, 9, 50), (1, 2, 256, 600), (1, 1, 4, 256), (2, 1, 3, 0)])
+def test_routed_plan_kernel_equals_reference(b, h, s, w):
+    chosen, shard, special = _plan_case(b, h, s, w, seed=w)
+    want = plan_mod.routed_plan_reference(chosen, shard, special)
+    got = plan_mod._launch(chosen, shard, special)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _place_case(b, h, s, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(b, h, 1, d, generator=gen)
+    centroids = torch.randn(b, h, s, d, generator=gen)
+    counts = torch.randint(1, 20, (b, h, s), generator=gen)
+    norms = centroids.square().sum(-1) / 2
+    norms[0, 0, 1] = float("inf")  # a centroid not seeded is never the nearest
+    return [t.to(DEVICE) for t in (keys, centroids, counts, norms)]
+
+
+def test_place_key_reference_follows_the_definition():
+    keys, centroids, counts, norms = _place_case(2, 2, 10, 8, seed=0)
+    before_c, before_n = centroids.clone(), counts.clone()
+    shard = place_mod.place_key_reference(keys, centroids, counts, norms)
+    dist = (keys - before_c).square().sum(-1).masked_fill(torch.isinf(norms.new_zeros(norms.shape)), 0)
+    dist[0, 0, 1] = float("inf")
+    assert torch.equal(shard.squeeze(-1), dist.argmin(-1))
+    for bi in range(2):
+        for hi in range(2):
+            j = int(shard[bi, hi, 0])
+            n = int(before_n[bi, hi, j]) + 1
+            expect = before_c[bi, hi, j] + (keys[bi, hi, 0] - before_c[bi, hi, j]) / n
+            assert torch.allclose(centroids[bi, hi, j], expect, atol=1e-6) and int(counts[bi, hi, j]) == n
+            assert torch.isclose(norms[bi, hi, j], expect.square().sum() / 2, atol=1e-5)
+
+
+@pytest.mark.skipif(not _runs(place_mod._place_key_kernel), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("b, h, s, d", [(2, 2, 10, 8), (1, 3, 256, 64), (1, 1, 70, 24)])
+def test_place_key_kernel_equals_reference(b, h, s, d):
+    keys, centroids, counts, norms = _place_case(b, h, s, d, seed=s)
+    ref = [t.clone() for t in (centroids, counts, norms)]
+    want = place_mod.place_key_reference(keys, *ref)
+    got = place_mod._launch(keys, centroids, counts, norms)
+    assert torch.equal(got, want)
+    assert torch.equal(counts, ref[1])
+    assert torch.allclose(centroids, ref[0], atol=1e-6) and torch.allclose(norms, ref[2], atol=1e-5)
+
+
+def test_operators_check_their_arguments():
+    query, centroids, counts, key_var = _summary(1, 1, 2, 8, 4, seed=0)
+    with pytest.raises(ValueError, match="top_k_shards"):
+        select_mod.route_select(query, centroids, counts, key_var, 0.5, 9, None)
+    with pytest.raises(ValueError, match="key_var"):
+        select_mod.route_select(query, centroids, counts, None, 0.5, 2, 0.9)
+    keys, c, n, norms = _place_case(1, 1, 4, 4, seed=0)
+    with pytest.raises(ValueError, match="counts"):
+        place_mod.place_key(keys, c, n.int(), norms)
+    with pytest.raises(ValueError, match="special"):
+        plan_mod.routed_plan(torch.zeros(1, 1, 3, dtype=torch.bool), torch.zeros(1, 1, 5), torch.zeros(1, 1, 4))
+
+
+_COMPILE_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pikv_hf.kernels import place_key, route_select, routed_plan
+
+def build(fn, types, const):
+    sig = {n: "constexpr" if n in const else types[n] for n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 2})
+    print(fn.__name__)
+
+f32 = "*fp32"
+for mass in (True, False):
+    build(route_select._route_select_kernel,
+          dict(q_ptr="*bf16", c_ptr=f32, var_ptr=f32, n_ptr="*i64", score_ptr=f32, logit_ptr=f32, out_ptr="*u8",
+               S="i32", k="i32", target="fp32", scale="fp32"),
+          dict(G=4, D=128, BLOCK_G=4, BLOCK_S=64, BLOCK_D=32, HAS_MASS=mass))
+build(routed_plan._routed_plan_kernel,
+      dict(chosen_ptr="*u8", shard_ptr="*i32", special_ptr="*u8", pages_ptr="*i64", full_ptr="*u8", S="i32", W="i32"),
+      dict(BLOCK_W=256))
+build(place_key._place_key_kernel,
+      dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64", S="i32"),
+      dict(D=128, BLOCK_S=64, BLOCK_D=128))
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The CUDA front end types loop-carried scalars and branches the interpreter never checks: each kernel compiles
+    for sm_90 (the shapes of an 8B model: 4 query rows per KV head, head dim 128) in a subprocess without
+    ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["_route_select_kernel"] * 2 + ["_routed_plan_kernel", "_place_key_kernel"]
