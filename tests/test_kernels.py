@@ -367,27 +367,88 @@ names = list(inspect.signature(decode._split_kernel_fn).parameters)
 types = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8", "count_ptr": "*i32",
          "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
 types |= dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16")
-types |= dict.fromkeys(("table_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")
-for bits, page, block_n in ((0, 1, 128), (2, 16, 64), (4, 64, 64), (8, 16, 32)):
+types |= dict.fromkeys(("table_ptr", "start_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")
+cases = ((0, 1, 128, 2), (0, 64, 64, 1), (0, 16, 64, 0), (2, 16, 64, 1), (4, 64, 64, 2), (8, 16, 32, 0))
+for bits, page, block_n, table in cases:  # table 0: global ids, 1: local ids of a run, 2: no table
     const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, BLOCK_DK=128, BLOCK_DV=128, HAS_LEN=True,
                  HAS_FULL=True, HAS_SLIDING=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", BITS=bits,
-                 GROUP=64, SPAN=4096, BLOCK_N=block_n)
+                 GROUP=64, TABLE=table, SPAN=4096, BLOCK_N=block_n)
     kv = "*u8" if bits else "*bf16"
     sig = {n: "constexpr" if n in const else types.get(n, kv if n in ("k_ptr", "v_ptr") else "i32") for n in names}
     src = ASTSource(decode._split_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 2})
-    print(bits, kernel.metadata.shared)
+    print(f"{bits}-{table}", kernel.metadata.shared)
+names = list(inspect.signature(decode._merge_kernel.fn).parameters)
+const = dict(R=4, G=4, Q=1, DV=128, BLOCK_S=16, BLOCK_DV=128, HAS_SINKS=True)
+types = {"count_ptr": "*i32", "attended_ptr": "*i64", "H": "i32", "num_splits": "i32"}
+sig = {n: "constexpr" if n in const else types.get(n, "*fp32") for n in names}
+src = ASTSource(decode._merge_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+print("merge", triton.compile(src, target=GPUTarget("cuda", 90, 64)).metadata.num_warps)
 """
 
 
 def test_split_kernel_compiles_for_sm90_without_a_gpu():
     """The CUDA front end (unlike the interpreter) compiles every branch after a constexpr early return: the kernel
-    of each code width must compile for sm_90 (bfloat16 dots, sparse plan, value groups of 64) as triton does on a
-    GPU (an 8-bit ``reshape`` that could not change the element count failed only there). A subprocess without
-    ``TRITON_INTERPRET`` (the interpreter's kernels cannot be compiled)."""
+    of each code width and table mode (global ids, a run's local ids, no table) must compile for sm_90 (bfloat16
+    dots, sparse plan, value groups of 64) as triton does on a GPU (an 8-bit ``reshape`` that could not change the
+    element count failed only there), and so must the merge kernel. A subprocess without ``TRITON_INTERPRET`` (the
+    interpreter's kernels cannot be compiled)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     shared = dict(line.split() for line in run.stdout.split("\n") if line)
-    assert sorted(shared) == ["0", "2", "4", "8"] and all(int(v) > 0 for v in shared.values())
+    assert sorted(shared) == ["0-0", "0-1", "0-2", "2-1", "4-2", "8-0", "merge"]
+    assert all(int(v) > 0 for v in shared.values())
+
+
+def test_runs_read_by_local_ids_and_without_a_table_equal_the_global_table():
+    """A pool laid out as ``PageTable`` runs (each (row, head)'s pages back to back from ``run_start``): the kernel
+    reading the plan's local ids, or each run's first ``lengths`` pages with no table at all, gives what the same
+    read through global ids gives, and the dense reference; ``attended`` is summed by the merge kernel."""
+    case = _case(4, 64, 64, 16, torch.float32, q=2)
+    b, h, n = case.table.shape
+    table = case.table.cpu()
+    lengths = (table >= 0).sum(-1)
+    order = torch.cat([row[: int(k)] for row, k in zip(table.view(b * h, n), lengths.view(-1), strict=True)])
+    run_start = (lengths.view(-1).cumsum(0) - lengths.view(-1)).view(b, h)
+    runs = replace(case, keys=case.keys[order.to(DEVICE)], values=case.values[order.to(DEVICE)],
+                   pos=case.pos[order.to(DEVICE)], valid=case.valid[order.to(DEVICE)])  # fmt: skip
+    local_of = {g: i for row in table.view(b * h, n) for i, g in enumerate(row[row >= 0].tolist())}
+    sparse = case.sparse.cpu().apply_(lambda g: local_of[g] if g >= 0 else -1).to(DEVICE)
+    run_start, lengths = run_start.to(DEVICE), lengths.to(DEVICE)
+    plan = dict(page_full=case.sparse_full, n_sink=N_SINK, window=WINDOW, row_start=case.row_start)
+    dense = _dense(case, case.stored, 0.125)
+    want_sparse = _dense(case, case.selected, 0.125)
+    for splits in (1, 3):
+        counted = torch.empty(b, h, dtype=torch.int64, device=DEVICE)
+        pool = (runs.query, runs.keys, runs.values, runs.pos, runs.valid)
+        frame = decode_attention(*pool, None, case.qpos, 0.125, lengths=lengths, run_start=run_start, width=n,
+                                 attended=counted, num_splits=splits)  # fmt: skip
+        _assert_close(frame, dense, 1e-5)
+        assert torch.equal(counted.cpu(), case.stored.sum(-1))
+        local = torch.arange(n, device=DEVICE).expand(b, h, n).where(case.table >= 0, -1).contiguous()
+        _assert_close(decode_attention(*pool, local, case.qpos, 0.125, run_start=run_start, num_splits=splits), dense,
+                      1e-5)  # fmt: skip
+        got = decode_attention(*pool, sparse, case.qpos, 0.125, run_start=run_start, attended=counted,
+                               num_splits=splits, **plan)  # fmt: skip
+        _assert_close(got, want_sparse, 1e-5)
+        assert torch.equal(counted.cpu(), case.selected.sum(-1))
+    with pytest.raises(ValueError, match="run_start, lengths and width"):
+        decode_attention(*pool, None, case.qpos, 0.125, run_start=run_start)
+
+
+def test_short_reads_get_splits_until_every_sm_has_a_program(monkeypatch):
+    """``auto_splits`` sizes splits from the slots read: a long read aims at ``_PROGRAMS_PER_SM`` programs per SM
+    with splits of >= ``_MIN_SPLIT_SLOTS`` slots; a short one (a sparse plan) still gets one program per SM, with
+    splits of down to one tile."""
+    from pikv_hf.kernels import decode
+
+    monkeypatch.setattr(decode, "_sm_count", lambda index: 132)  # an H200
+    cuda = torch.device("cuda", 0)
+    assert decode.auto_splits(cuda, 64, 32768) == 9  # 32k x batch 8 x 8 KV heads: 576 programs
+    assert decode.auto_splits(cuda, 64, 4096) == 9  # 1/8 of it: the same programs, 455 slots each
+    assert decode.auto_splits(cuda, 8, 4096) == 17  # batch 1: 136 programs of 241 slots (16 at >= 256 slots)
+    assert decode.auto_splits(cuda, 8, 512) == 8  # a short plan: one tile per split, 64 programs
+    assert decode.auto_splits(cuda, 8, 100_000) == 64  # capped at _MAX_SPLITS
+    assert decode.auto_splits(torch.device("cpu"), 8, 4096) == 1

@@ -2,8 +2,10 @@
 and the dispatch a ``PiKVCache`` uses by default: Triton for stores on CUDA when triton is installed, the torch
 reference elsewhere.
 
-The kernel reads K/V in place through the page table: an exact read passes every run's pages with ``n_pages`` as
-the row lengths (splits then divide the pages in use), a sparse plan passes its pages and ``page_full``. Stores of
+The kernel reads K/V in place through the page table's runs (``PageTable.start``): an exact read passes no table
+at all, only each run's start and ``n_pages`` as the row lengths (splits then divide the pages in use), a sparse
+plan passes its local page ids, which the kernel maps onto the runs, and ``page_full`` (stores of codes still pass
+global ids, ``PageTable.pages``). Stores of
 the identity codec are read as stored, stores of ``QuantCodec`` as codes dequantised in registers (``decode_quant``).
 The kernels run as the custom operator ``torch.ops.pikv.paged_decode`` and the calls read only shapes, so the
 attention of a decode step does not synchronise with the host and compiles with ``torch.compile(fullgraph=True)``.
@@ -28,19 +30,9 @@ from pikv_hf.store import PagedStore
 HAVE_TRITON = find_spec("triton") is not None
 
 
-def _frame_pages(store: PagedStore) -> torch.Tensor:
-    """``[B, H, W]`` global ids of every run's frame pages; uniform runs take ``W`` from the pool's shape (no host
-    sync), ragged ones from ``PageTable.width`` (one)."""
-    t = store.table
-    if not t.uniform:
-        return t.pages()
-    b, h = store.batch, store.heads
-    width = store.pool.num_pages // (b * h) if b * h else 0
-    return t.pages(torch.arange(width, device=store.device).expand(b, h, width))
-
-
 def _plan_lengths(pages: torch.Tensor) -> torch.Tensor:
-    """``[B, H]`` one past the last page entry of each row (``-1`` padding after it is not read)."""
+    """``[B, H]`` one past the last page entry of each row of a plan's local ids (``-1`` padding after it is not
+    read): the splits divide what a row reads, not the plan's width."""
     rank = torch.arange(1, pages.shape[-1] + 1, device=pages.device)
     return torch.where(pages >= 0, rank, 0).amax(-1) if pages.shape[-1] else pages.new_zeros(pages.shape[:2])
 
@@ -76,21 +68,21 @@ class TritonBackend(TorchBackend):
             return super().attend(
                 query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count, newest
             )
-        pool = store.pool
-        if plan.exact:
-            pages, lengths = _frame_pages(store), store.table.n_pages
-        else:
-            pages = store.table.pages(plan.pages)
-            lengths = _plan_lengths(pages)
+        pool, table = store.pool, store.table
+        lengths = table.n_pages if plan.exact else _plan_lengths(plan.pages)
         attended = torch.empty(store.batch, store.heads, dtype=torch.int64, device=store.device) if count else None
         read = dict(
             page_full=plan.page_full, n_sink=plan.n_sink, window=plan.window, row_start=plan.row_start,
             lengths=lengths, sliding_window=sliding_window, sinks=sinks, attended=attended, check=False,
         )  # fmt: skip
         if store.kv_fields == ("keys", "values"):
-            kv = (pool["keys"], pool["values"])
-            o, lse = decode_attention(query, *kv, pool["pos"], pool["valid"], pages, qpos, scale, **read)
+            # the kernel maps the plan's local ids (or, exact, each run's first n_pages pages) onto the runs itself
+            kv = (pool["keys"], pool["values"], pool["pos"], pool["valid"])
+            local = None if plan.exact else plan.pages.contiguous()  # a plan may be a slice of a wider one
+            o, lse = decode_attention(query, *kv, local, qpos, scale, run_start=table.start, width=table.width(),
+                                      **read)  # fmt: skip
         else:
+            pages = table.pages(plan.pages)
             quant = QuantPages(*(pool[name] for name in QUANT_FIELDS), bits=store.codec.bits)
             o, lse = decode_attention_quant(query, quant, pool["pos"], pool["valid"], pages, qpos, scale, **read)
         return Partial(o, lse, attended=attended)

@@ -26,8 +26,8 @@ def expect(
     contiguous, i.e. has exactly the strides a kernel indexes it with."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
     if t.dim() != len(shape) or any(s is not None and s != got for s, got in zip(shape, t.shape, strict=True)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ValueError(f"{name} must have shape {want}; got {list(t.shape)}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}; got {t.dtype}")

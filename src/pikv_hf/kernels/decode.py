@@ -53,6 +53,7 @@ def _tile(
     start,
     hi,
     row_table,
+    run_first,
     full_row,
     pos_ptr,
     valid_ptr,
@@ -63,22 +64,34 @@ def _tile(
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_FULL: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """Slots ``[start, start + BLOCK_N)`` of a table row: global page (a scalar when the tile lies in one page),
     flat pool slot (int64), whether the slot's page exists (``load``: K/V are loaded), whether the plan lets it be
-    read (``ok``) and its position."""
+    read (``ok``) and its position. ``TABLE``: 0 the row holds global page ids, 1 local ids of the run that starts
+    at global page ``run_first``, 2 no table (the run's pages in order)."""
     offs = tl.arange(0, BLOCK_N)
     in_split = start + offs < hi
     if PAGE >= BLOCK_N:  # one page holds the whole tile: one table entry, contiguous slots
-        page = tl.load(row_table + start // PAGE)
-        slot = page.to(tl.int64) * PAGE + (start % PAGE + offs)
+        if TABLE == 2:
+            page = run_first + start // PAGE
+        else:
+            page = tl.load(row_table + start // PAGE).to(tl.int64)
+            if TABLE == 1:
+                page = tl.where(page >= 0, page + run_first, -1)
+        slot = page * PAGE + (start % PAGE + offs)
         load = in_split & (tl.zeros_like(offs) + page >= 0)  # a block mask (the interpreter refuses scalar & block)
         if HAS_FULL:
             full = tl.load(full_row + start // PAGE) != 0
     else:
         j = start + offs
-        page = tl.load(row_table + j // PAGE, mask=in_split, other=-1)
-        slot = page.to(tl.int64) * PAGE + j % PAGE
+        if TABLE == 2:
+            page = tl.where(in_split, run_first + j // PAGE, -1)
+        else:
+            page = tl.load(row_table + j // PAGE, mask=in_split, other=-1).to(tl.int64)
+            if TABLE == 1:
+                page = tl.where(page >= 0, page + run_first, -1)
+        slot = page * PAGE + j % PAGE
         load = in_split & (page >= 0)
         if HAS_FULL:
             full = tl.load(full_row + j // PAGE, mask=in_split, other=0) != 0
@@ -192,6 +205,7 @@ def _split_kernel_fn(
     pos_ptr,
     valid_ptr,
     table_ptr,
+    start_ptr,
     len_ptr,
     full_ptr,
     row_start_ptr,
@@ -224,6 +238,7 @@ def _split_kernel_fn(
     DOT_PRECISION: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    TABLE: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -255,6 +270,7 @@ def _split_kernel_fn(
     lo = tl.program_id(1) * per_split
     hi = tl.minimum(lo + per_split, n_slots)
     row_table = table_ptr + bh.to(tl.int64) * n_table
+    run_first = tl.load(start_ptr + bh).to(tl.int64) if TABLE > 0 else 0
     full_row = full_ptr + bh.to(tl.int64) * n_table
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -262,8 +278,8 @@ def _split_kernel_fn(
     count = tl.zeros([BLOCK_N], tl.int32)
     for start in range(lo, hi, BLOCK_N):
         page, slot, load, ok, pos = _tile(
-            start, hi, row_table, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
-            PAGE, BLOCK_N, HAS_FULL,
+            start, hi, row_table, run_first, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
+            PAGE, BLOCK_N, HAS_FULL, TABLE,
         )  # fmt: skip
         k, v = _load_kv(
             k_ptr, v_ptr, ks_ptr, kz_ptr, vs_ptr, vz_ptr, page, slot, load, dk, dv,
@@ -306,8 +322,12 @@ if HAVE_TRITON and not interpreted(_split_kernel):
             for n, w, s in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
                             (128, 8, 3))
         ],  # fmt: skip
-        key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL", "HAS_LEN", "SPAN"],
+        key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL", "HAS_LEN", "SPAN", "TABLE"],
     )(triton.jit(_split_kernel_fn))
+# the autotuner's key (and the argument dtypes) -> its best configuration's launch options, filled by the first call
+# of each key; later calls launch the jitted kernel with them directly (the autotuner's own per-call work, a few
+# dicts over ~40 arguments, is host time on every eager decode call)
+_TUNED: dict[tuple, dict] = {}
 
 
 @jit
@@ -315,8 +335,10 @@ def _merge_kernel(
     o_part_ptr,
     lse_part_ptr,
     sinks_ptr,
+    count_ptr,
     o_ptr,
     lse_ptr,
+    attended_ptr,
     H,
     num_splits,
     R: tl.constexpr,
@@ -329,7 +351,7 @@ def _merge_kernel(
 ):
     """Program ``row`` (of ``B * H * R``): the exact log-sum-exp merge of its splits' partials and its query head's
     sink logit (a value-less key), as ``merge_partials``; rows with nothing to attend get ``o = 0``,
-    ``lse = -inf``."""
+    ``lse = -inf``. The first row of each ``b * H + h`` also sums its splits' slot counts into ``attended``."""
     row = tl.program_id(0)
     bh, r = row // R, row % R
     s = tl.arange(0, BLOCK_S)
@@ -351,6 +373,9 @@ def _merge_kernel(
     o = tl.sum(w[:, None] * o, 0) / tl.maximum(total, 1e-30)
     tl.store(o_ptr + row.to(tl.int64) * DV + dv, o, mask=dv_ok)
     tl.store(lse_ptr + row, tl.where(total > 0, m_safe + tl.log(tl.maximum(total, 1e-30)), float("-inf")))
+    if r == 0:
+        counts = tl.load(count_ptr + bh * num_splits + s, mask=s_ok, other=0)
+        tl.store(attended_ptr + bh, tl.sum(counts.to(tl.int64), 0))
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -360,13 +385,17 @@ def _sm_count(index: int) -> int:
 
 
 def auto_splits(device: torch.device, programs: int, n_slots: int) -> int:
-    """Splits of each table row: enough stage-1 programs for ``_PROGRAMS_PER_SM`` per SM on CUDA (``programs``:
-    those of one split), each reading at least ``_MIN_SPLIT_SLOTS`` slots; 1 elsewhere (the interpreter runs
-    programs one by one)."""
+    """Splits of each table row of ``n_slots`` slots (a sparse plan's width, not the store's frame): enough stage-1
+    programs for ``_PROGRAMS_PER_SM`` per SM on CUDA (``programs``: those of one split), each reading at least
+    ``_MIN_SPLIT_SLOTS`` slots; a short read that this leaves with fewer programs than SMs takes splits of down to
+    one tile (``_BLOCK_N`` slots) until every SM has a program. 1 elsewhere (the interpreter runs programs one by
+    one)."""
     if device.type != "cuda" or programs == 0:
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(cdiv(_PROGRAMS_PER_SM * sms, programs), _MAX_SPLITS, cdiv(n_slots, _MIN_SPLIT_SLOTS)))
+    wide = min(cdiv(_PROGRAMS_PER_SM * sms, programs), cdiv(n_slots, _MIN_SPLIT_SLOTS))
+    fill = min(cdiv(sms, programs), cdiv(n_slots, _BLOCK_N))
+    return max(1, min(max(wide, fill), _MAX_SPLITS))
 
 
 def _dot_dtype(dtype: torch.dtype, interpreter: bool):
@@ -384,11 +413,11 @@ def v_dim_of(v: torch.Tensor, bits: int) -> int:
 
 def _launch(
     query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
-    scale, n_sink, window, sliding_window, bits, group, num_splits,
+    scale, n_sink, window, sliding_window, bits, group, num_splits, run_start, width,
 ):  # fmt: skip
     """Both stages on tensors already checked by the public wrappers: ``(o, lse, attended)``."""
     b, hq, q, dk = query.shape
-    h, n = pages.shape[1], pages.shape[2]
+    h, n = (pages.shape[1], pages.shape[2]) if pages is not None else (run_start.shape[1], width)
     page = pos.shape[1]
     dv, dev = v_dim_of(v, bits), query.device
     g, rows = hq // h, hq // h * q
@@ -409,38 +438,68 @@ def _launch(
         check_launchable(_split_kernel, dev)
         if page_full is not None and row_start is None:
             row_start = torch.zeros(b, dtype=torch.int64, device=dev)
-        unused = pages  # pointer of an absent optional input (its constexpr switch keeps it unread)
+        unused = qpos  # pointer of an absent optional input (its constexpr switch keeps it unread)
         tuned = _split_kernel_tuned is not None and n_slots >= _TUNE_FROM_SLOTS
-        kernel = _split_kernel_tuned if tuned else _split_kernel
         dot_dtype = _dot_dtype(query.dtype, interpreted(_split_kernel))
-        fixed = {} if tuned else dict(BLOCK_N=_BLOCK_N, num_warps=4, num_stages=2)
-        kernel[(b * h, splits, row_tiles)](
-            query, k, v, *(unused if t is None else t for t in (k_scale, k_zero, v_scale, v_zero)),
-            pos, valid.view(torch.uint8), pages, unused if lengths is None else lengths,
-            unused if page_full is None else page_full.view(torch.uint8), unused if row_start is None else row_start,
-            qpos, o_part, lse_part, counts, query.stride(0), query.stride(1), query.stride(2), h, n, splits,
-            n_sink, window, sliding_window, scale * _LOG2E,
-            G=g, Q=q, PAGE=page, DK=dk, DV=dv, BLOCK_R=block_r,
-            BLOCK_DK=max(16, next_power_of_2(dk)), BLOCK_DV=max(16, next_power_of_2(dv)),
-            HAS_LEN=lengths is not None, HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window > 0,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", BITS=bits,
-            GROUP=max(group, 1), SPAN=next_power_of_2(cdiv(n_slots, splits)) if tuned else 1,
-            **fixed,
+        tensors = (
+            query, k, v, *(unused if t is None else t for t in (k_scale, k_zero, v_scale, v_zero)), pos,
+            valid.view(torch.uint8), unused if pages is None else pages, unused if run_start is None else run_start,
+            unused if lengths is None else lengths, unused if page_full is None else page_full.view(torch.uint8),
+            unused if row_start is None else row_start, qpos, o_part, lse_part, counts,
         )  # fmt: skip
+        table = 0 if run_start is None else 1 if pages is not None else 2
+        consts = dict(
+            G=g, Q=q, PAGE=page, DK=dk, DV=dv, BLOCK_R=block_r, BLOCK_DK=max(16, next_power_of_2(dk)),
+            BLOCK_DV=max(16, next_power_of_2(dv)), HAS_LEN=lengths is not None, HAS_FULL=page_full is not None,
+            HAS_SLIDING=sliding_window > 0, DOT_DTYPE=dot_dtype,
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", BITS=bits, GROUP=max(group, 1), TABLE=table,
+            SPAN=next_power_of_2(cdiv(n_slots, splits)) if tuned else 1,
+        )  # fmt: skip
+        grid = (b * h, splits, row_tiles)
+        scalars = (query.stride(0), query.stride(1), query.stride(2), h, n, splits, n_sink, window, sliding_window,
+                   scale * _LOG2E)  # fmt: skip
+        if not tuned:
+            _split_kernel[grid](*tensors, *scalars, **consts, BLOCK_N=_BLOCK_N, num_warps=4, num_stages=2)
+        else:
+            key = (page, dk, dv, block_r, bits, consts["HAS_FULL"], consts["HAS_LEN"], consts["SPAN"], table,
+                   *(t.dtype for t in tensors))  # fmt: skip
+            config = _TUNED.get(key)
+            if config is None:  # first call of this key: the autotuner picks (and compiles) the configuration
+                _split_kernel_tuned[grid](*tensors, *scalars, **consts)
+                _TUNED[key] = _split_kernel_tuned.best_config.all_kwargs()
+            else:  # then the jitted kernel is launched with it directly, without the autotuner's per-call work
+                _split_kernel_tuned.fn[grid](*tensors, *scalars, **consts, **config)
     o = torch.empty(b, hq, q, dv, dtype=torch.float32, device=dev)
     lse = torch.empty(b, hq, q, dtype=torch.float32, device=dev)
+    attended = torch.empty(b, h, dtype=torch.int64, device=dev)
     check_launchable(_merge_kernel, dev)
     _merge_kernel[(b * h * rows,)](
-        o_part, lse_part, lse_part if sinks is None else sinks, o, lse, h, splits,
+        o_part, lse_part, lse_part if sinks is None else sinks, counts, o, lse, attended, h, splits,
         R=rows, G=g, Q=q, DV=dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(dv)),
         HAS_SINKS=sinks is not None,
     )  # fmt: skip
-    return o, lse, counts.view(b, h, splits).sum(-1)
+    if rows == 0:  # no merge program ran
+        attended.copy_(counts.view(b, h, splits).sum(-1))
+    return o, lse, attended
+
+
+def global_pages(
+    pages: torch.Tensor | None, run_start: torch.Tensor | None, width: int, lengths: torch.Tensor | None
+) -> torch.Tensor:
+    """``[B, H, n]`` global page ids (``-1``: none) of a read's table: ``pages`` itself (global ids), the local ids
+    ``pages`` of the runs starting at ``run_start`` (``[B, H]``), or with ``pages`` None each run's first
+    ``lengths`` pages in a frame of ``width``."""
+    if run_start is None:
+        return pages
+    if pages is None:
+        local = torch.arange(width, device=run_start.device)
+        return torch.where(local < lengths.unsqueeze(-1), run_start.unsqueeze(-1) + local, -1)
+    return torch.where(pages >= 0, run_start.unsqueeze(-1) + pages, -1)
 
 
 def _reference_op(
     query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
-    scale, n_sink, window, sliding_window, bits, group, num_splits,
+    scale, n_sink, window, sliding_window, bits, group, num_splits, run_start, width,
 ):  # fmt: skip
     """The operator in torch (CPU without the Triton interpreter): :func:`decode_attention_reference` on the stored
     or dequantised pages, and the slots the last query attends."""
@@ -448,6 +507,7 @@ def _reference_op(
         from pikv_hf.kernels.decode_quant import QuantPages, dequantize_pages
 
         k, v = dequantize_pages(QuantPages(k, k_scale, k_zero, v, v_scale, v_zero, bits))
+    pages = global_pages(pages, run_start, width, lengths)
     window_arg = sliding_window if sliding_window > 0 else None
     ok, pos_s = _reference_slots(pos, valid, pages, qpos, page_full, n_sink, window, row_start, lengths)
     o, lse = decode_attention_reference(
@@ -459,15 +519,17 @@ def _reference_op(
 
 _SCHEMA = (
     "(Tensor query, Tensor k, Tensor v, Tensor? k_scale, Tensor? k_zero, Tensor? v_scale, Tensor? v_zero, "
-    "Tensor pos, Tensor valid, Tensor pages, Tensor qpos, Tensor? page_full, Tensor? row_start, Tensor? lengths, "
-    "Tensor? sinks, float scale, int n_sink, int window, int sliding_window, int bits, int group, int num_splits) "
+    "Tensor pos, Tensor valid, Tensor? pages, Tensor qpos, Tensor? page_full, Tensor? row_start, Tensor? lengths, "
+    "Tensor? sinks, float scale, int n_sink, int window, int sliding_window, int bits, int group, int num_splits, "
+    "Tensor? run_start, int width) "
     "-> (Tensor, Tensor, Tensor)"
 )
 paged_decode = torch.library.custom_op("pikv::paged_decode", _launch, mutates_args=(), device_types="cuda",
                                        schema=_SCHEMA)  # fmt: skip
 paged_decode.__doc__ = """``torch.ops.pikv.paged_decode``: both stages of the fused decode as one operator (the
 arguments of :func:`decode_attention`, ``k`` / ``v`` the stored fields or, with ``bits > 0``, the codes of
-``decode_quant`` with their scales and zeros; ``sliding_window`` 0: none; ``num_splits`` 0: chosen on the host) ->
+``decode_quant`` with their scales and zeros; ``sliding_window`` 0: none; ``num_splits`` 0: chosen on the host;
+``run_start`` / ``width``: see :func:`global_pages`) ->
 ``(o [B, Hq, q, Dv], lse [B, Hq, q], attended [B, H])``. No argument is checked here: call the wrappers."""
 
 
@@ -478,13 +540,13 @@ def _paged_decode_cpu(*args):
 
 @paged_decode.register_fake
 def _paged_decode_fake(query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, *rest):
-    bits = rest[-3]
+    bits, run_start = rest[-5], rest[-2]
     b, hq, q, _ = query.shape
     dv = v_dim_of(v, bits)
     return (
         query.new_empty(b, hq, q, dv, dtype=torch.float32),
         query.new_empty(b, hq, q, dtype=torch.float32),
-        query.new_empty(b, pages.shape[1], dtype=torch.int64),
+        query.new_empty(b, (pages if pages is not None else run_start).shape[1], dtype=torch.int64),
     )
 
 
@@ -501,6 +563,8 @@ def check_decode_args(
     sinks: torch.Tensor | None,
     attended: torch.Tensor | None,
     check: bool,
+    run_start: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> None:
     """Check the arguments every decode kernel shares (see :func:`decode_attention`); shapes, dtypes and strides only,
     except the id checks of ``check``."""
@@ -509,8 +573,16 @@ def check_decode_args(
     if query.stride(-1) != 1:
         raise ValueError(f"query [B, Hq, q, Dk] must have a unit stride on its last dim; got strides {query.stride()}")
     b, hq, q, _ = query.shape
-    expect("pages", pages, (b, None, None), _INT, dev)
-    h, n = pages.shape[1], pages.shape[2]
+    if pages is None:
+        if run_start is None or lengths is None or width is None or width < 0:
+            raise ValueError("pages=None (read each run's first pages) needs run_start, lengths and width >= 0")
+        expect("run_start", run_start, (b, None), _INT, dev)
+        h, n = run_start.shape[1], width
+    else:
+        expect("pages", pages, (b, None, None), _INT, dev)
+        h, n = pages.shape[1], pages.shape[2]
+        if run_start is not None:
+            expect("run_start", run_start, (b, h), _INT, dev)
     if h == 0 or hq % h:
         raise ValueError(f"query heads ({hq}) must be a multiple of the page table's KV heads ({h})")
     expect("pos", pos, (None, None), (torch.int32,), dev)
@@ -530,7 +602,7 @@ def check_decode_args(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if check:
-        check_pages_in_range(pages, num_pages, "page table ids")
+        check_pages_in_range(global_pages(pages, run_start, n, lengths), num_pages, "page table ids")
         if lengths is not None and lengths.numel() and bool(((lengths < 0) | (lengths > n)).any()):
             raise IndexError(f"lengths must be in [0, {n}] (the table width)")
 
@@ -542,7 +614,7 @@ def run_decode(
     group: int,
     pos: torch.Tensor,
     valid: torch.Tensor,
-    pages: torch.Tensor,
+    pages: torch.Tensor | None,
     qpos: torch.Tensor,
     scale: float,
     page_full: torch.Tensor | None,
@@ -554,14 +626,29 @@ def run_decode(
     sinks: torch.Tensor | None,
     attended: torch.Tensor | None,
     num_splits: int | None,
+    run_start: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Call the operator on checked arguments; ``fields = (k, v, k_scale, k_zero, v_scale, v_zero)`` (the last four
-    None for stored pages); fill ``attended``."""
+    None for stored pages); fill ``attended``.
+
+    An eager call whose implementation is the kernels (CUDA tensors, or the interpreter) launches them directly: the
+    dispatcher's path through the custom operator (autograd and device keys, the dynamo-disabled Python kernel, the
+    alias checks of its outputs) is host time that a decode step pays per layer. Traced code (``torch.compile``, a
+    dispatch mode such as fake tensors) calls the operator."""
     k, v, k_scale, k_zero, v_scale, v_zero = fields
-    o, lse, counted = paged_decode(
+    args = (
         query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
         float(scale), int(n_sink), int(window), int(sliding_window or 0), bits, group, int(num_splits or 0),
+        run_start, int(width or 0),
     )  # fmt: skip
+    direct = (
+        not torch.compiler.is_compiling()
+        and type(query) is torch.Tensor
+        and (query.is_cuda or interpreted(_split_kernel))
+        and not torch._C._len_torch_dispatch_stack()
+    )
+    o, lse, counted = (_launch if direct else paged_decode)(*args)
     if attended is not None:
         attended.copy_(counted)
     return o, lse
@@ -586,6 +673,8 @@ def decode_attention(
     attended: torch.Tensor | None = None,
     num_splits: int | None = None,
     check: bool = True,
+    run_start: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few query tokens over the pool pages a page table names, read in place (Triton, through
     ``torch.ops.pikv.paged_decode``).
@@ -599,8 +688,10 @@ def decode_attention(
         Contiguous pool fields ``[N, P, Dk]`` and ``[N, P, Dv]``.
     pos, valid : torch.Tensor
         Contiguous ``[N, P]`` int32 positions and bool valid bits.
-    pages : torch.Tensor
-        Contiguous ``[B, H, n]`` int32 / int64 global page ids (``-1``: skip).
+    pages : torch.Tensor or None
+        Contiguous ``[B, H, n]`` int32 / int64 global page ids (``-1``: skip), or with ``run_start`` local ids of each
+        (row, head)'s run of pool pages; None (with ``run_start``, ``lengths`` and ``width``): each run's first
+        ``lengths[b, h]`` pages, with no table to read (the exact read of a ``PageTable``).
     qpos : torch.Tensor
         ``[q]`` integer positions of the query tokens (ascending; the last one is the plan's ``qpos_last``).
     scale : float
@@ -625,6 +716,11 @@ def decode_attention(
     check : bool
         Check that the table ids are in ``[-1, N)`` and ``lengths`` in ``[0, n]`` before launch; this reads them (a
         host sync on CUDA), so an asynchronous caller that built them itself passes False.
+    run_start : torch.Tensor, optional
+        ``[B, H]`` integer first global page of each (row, head)'s run (``PageTable.start``): ``pages`` then holds
+        local ids, mapped to ``run_start + local`` in the kernel (no table gather on the host).
+    width : int, optional
+        ``n`` when ``pages`` is None: an upper bound of ``lengths`` (the frame width) that sizes the splits.
 
     Returns
     -------
@@ -633,13 +729,13 @@ def decode_attention(
         (``-inf`` there), equal to :func:`decode_attention_reference`.
     """
     check_decode_args(query, pos, valid, pages, qpos, page_full, row_start, lengths, sliding_window, sinks, attended,
-                      check)  # fmt: skip
+                      check, run_start, width)  # fmt: skip
     num_pages, page = pos.shape
     expect("keys", keys, (num_pages, page, query.shape[-1]), (query.dtype,), query.device)
     expect("values", values, (num_pages, page, None), (query.dtype,), query.device)
     return run_decode(
         query, (keys, values, None, None, None, None), 0, 1, pos, valid, pages, qpos, scale, page_full, n_sink,
-        window, row_start, lengths, sliding_window, sinks, attended, num_splits,
+        window, row_start, lengths, sliding_window, sinks, attended, num_splits, run_start, width,
     )  # fmt: skip
 
 
