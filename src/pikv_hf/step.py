@@ -139,19 +139,16 @@ class DecodeStep:
         store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), x.qpos[-1:])
 
     def _record(self, group: StoreGroup, plans: list[ReadPlan], parts: list[Partial], sparse: bool) -> None:
-        """Add one decode step's read to ``stats``: per store one stack of its ``[B, H]`` counters (slots attended,
-        pages read and stored, tokens stored, slots read, bytes fetched from an offloaded store) and one sum (tensor
-        operations only)."""
-        d = group.device
-        self.stats.add_step(sparse, group.heads * group.batch, d)
+        """Add one decode step's read to ``stats``: per store one operator adding its ``[B, H]`` counters (slots
+        attended, pages read and stored, tokens stored, slots read, bytes fetched from an offloaded store) summed over
+        rows and heads (``ReadStats.add_read``: no host read)."""
+        step = (1, int(sparse), group.heads * group.batch)
         for s, plan, part in zip(group.stores, plans, parts, strict=True):
-            stored = s.table.n_pages
-            read = stored if plan.exact else (plan.pages >= 0).sum(-1)
-            slots = read if s.page_size == 1 else read * s.page_size
-            rows = [part.attended, read, stored, s.stats.count.sum(-1), slots]
-            if s in group.offloaded:
-                rows.append(read * (s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages)))
-            self.stats.add_counts("tokens_attended", torch.stack(rows).sum((1, 2)), d)
+            page_bytes = s.pool.nbytes(s.kv_fields) // max(1, s.pool.num_pages) if s in group.offloaded else 0
+            self.stats.add_read(
+                group.device, part.attended, plan.pages, s.table.n_pages, s.stats.count, s.page_size, page_bytes, step
+            )
+            step = (0, 0, 0)
 
     def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan, sparse: bool) -> None:
         """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning

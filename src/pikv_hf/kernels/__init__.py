@@ -5,7 +5,9 @@
 * ``decode``: fused paged decode attention, GQA, split-KV partials merged by log-sum-exp (``decode_attention``,
   ``decode_attention_reference``);
 * ``decode_quant``: the same over int4 / int8 pages dequantised in registers (``decode_attention_quant``), with the
-  page layout's torch ``quantize_pages`` / ``dequantize_pages``.
+  page layout's torch ``quantize_pages`` / ``dequantize_pages``;
+* ``quest``: Quest's page scores and page selection (``torch.ops.pikv.quest_scores`` / ``quest_select``);
+* ``read_stats``: a store's read added to the read counters (``torch.ops.pikv.record_read``).
 
 The attention backend that dispatches to them is ``pikv_hf.attention.triton_backend``.
 """

@@ -15,6 +15,7 @@ from pikv_hf.config import ReadConfig
 from pikv_hf.read.plan import ReadPlan
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
+from pikv_hf.store.special import special_page_mask
 
 POLICIES: dict[str, type[ExactRead]] = {}
 
@@ -80,12 +81,10 @@ def special_pages(
 ) -> torch.Tensor:
     """``[B, H, W]`` bool: frame pages holding a valid sink or recent-window token (always read), from the slots the
     store keeps of them (no scan of the frame)."""
-    w, p = store.table.width(), store.page_size
     marks = store.special_slots(n_sink, window, row_start)
-    local = marks.slots if p == 1 else marks.slots.div(p, rounding_mode="floor")
-    at = (local - store.table.start.unsqueeze(-1)).masked_fill_(marks.unread(qpos), w)  # an extra column, cut below
-    out = torch.zeros(store.batch, store.heads, w + 1, dtype=torch.bool, device=at.device)
-    return out.scatter_(2, at, True)[..., :w]
+    return special_page_mask(
+        marks.slots, marks.pos, marks.reach, qpos, store.table.start, store.table.width(), store.page_size
+    )
 
 
 def make_policy(config: ReadConfig, layer_idx: int) -> ExactRead:

@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from pikv_hf.read.plan import ReadPlan, arange, prefix_sum
-from pikv_hf.read.policy import SparseRead, register, special_pages
-from pikv_hf.routing.scores import upper_bounds
+import pikv_hf.kernels.quest  # noqa: F401  (registers torch.ops.pikv.quest_scores / quest_select)
+from pikv_hf.read.plan import ReadPlan, prefix_sum
+from pikv_hf.read.policy import SparseRead, register
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
 
@@ -43,22 +43,22 @@ class QuestRead(SparseRead):
 
     def scores(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
         """``[B, H, W]`` Quest bound of every frame page of ``store`` (on its device): ``inf`` for sink / window
-        pages, ``-inf`` for empty ones."""
+        pages, ``-inf`` for empty ones (one operator, ``torch.ops.pikv.quest_scores``)."""
         cfg, d = self.config, store.device
         store.enable_page_bounds()
-        key_min, key_max, count = store.page_bounds()
-        special = special_pages(store, qpos.to(d), cfg.n_sink, cfg.window, row_start.to(d))
-        return upper_bounds(qg.to(d), key_min, key_max, count).masked_fill_(special, float("inf"))
+        marks = store.special_slots(cfg.n_sink, cfg.window, row_start.to(d))
+        return torch.ops.pikv.quest_scores(
+            qg.to(d), store.frame("key_min"), store.frame("key_max"), store.frame("valid"), marks.slots, marks.pos,
+            marks.reach, qpos.to(d), store.table.start, store.page_size,
+        )  # fmt: skip
 
     def plan(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> ReadPlan:
-        """The plan of a layer held in one store: ``ceil(read_fraction * n_pages)`` pages per (row, head)."""
+        """The plan of a layer held in one store: ``ceil(read_fraction * n_pages)`` pages per (row, head), by
+        descending score (``torch.ops.pikv.quest_select``)."""
         f = self.config.read_fraction
         score = self.scores(store, qg, qpos, row_start)
         width = min(store.table.width(), math.ceil(f * store.table.width()))
-        top, order = score.sort(dim=-1, descending=True, stable=True)  # ties to the earlier page
-        # past the (row, head)'s budget of ceil(read_fraction * n_pages) pages (i < ceil(x) iff i < x), or empty
-        over = arange(width, store.device) >= (store.table.n_pages * f).unsqueeze(-1)
-        return ReadPlan(order[..., :width].masked_fill(over | torch.isneginf(top[..., :width]), -1))
+        return ReadPlan(torch.ops.pikv.quest_select(score, store.table.n_pages, f, width))
 
     def group_plans(
         self, group: StoreGroup, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+import pikv_hf.kernels.read_stats  # noqa: F401  (registers torch.ops.pikv.record_read)
+
 FIELDS = (
     "steps",  # decode steps of this layer (layer-steps once summed over layers)
     "sparse_steps",  # of those, read under the routed / Quest policy (the others read densely)
@@ -31,7 +33,6 @@ class ReadStats:
         self.total: torch.Tensor | None = None  # [len(FIELDS)] int64 on the layer's device
         self.recall_sum = 0.0
         self.recall_heads = 0
-        self._step_counts: dict[tuple, torch.Tensor] = {}  # (sparse, heads, device) -> [3] constant counts
 
     def _total(self, device: torch.device) -> torch.Tensor:
         if self.total is None or self.total.device != device:
@@ -39,28 +40,31 @@ class ReadStats:
         return self.total
 
     def prepare(self, heads: int, device: torch.device) -> None:
-        """Allocate the counters and the per-step constants of ``heads`` (row, KV head) pairs before a compiled step
-        runs, so that the step mutates no Python container (a compiled step would otherwise recompile once)."""
+        """Allocate the counters before a compiled step runs, so that the step mutates no Python state (a compiled step
+        would otherwise recompile once). ``heads``: the (row, KV head) pairs of a step."""
         self._total(device)
-        for sparse in (False, True):
-            key = (sparse, heads, device)
-            if key not in self._step_counts:
-                self._step_counts[key] = torch.tensor([1, int(sparse), heads], dtype=torch.int64, device=device)
 
-    def add_step(self, sparse: bool, heads: int, device: torch.device) -> None:
-        """One decode step: whether it read sparsely and how many (row, KV head) pairs it read for (one in-place
-        addition of a constant kept per key)."""
+    def add_read(
+        self,
+        device: torch.device,
+        attended: torch.Tensor,
+        pages: torch.Tensor | None,
+        n_pages: torch.Tensor,
+        count: torch.Tensor,
+        page_size: int,
+        page_bytes: int = 0,
+        step: tuple[int, int, int] = (0, 0, 0),
+    ) -> None:
+        """Add one store's read of a decode step (one operator, ``torch.ops.pikv.record_read``): slots ``attended``
+        (``[B, H]``), the plan's ``pages`` (``[B, H, n]``, ``-1``: none; None: every stored page), pages stored
+        ``n_pages`` (``[B, H]``), tokens stored per shard ``count`` (``[B, H, S]``), ``page_size`` and bytes fetched
+        per page read (``page_bytes``, 0 unless offloaded); ``step``: the step's own ``(steps, sparse_steps, heads)``
+        (given with the first store of a step)."""
         total = self._total(device)
-        key = (sparse, heads, device)
-        if key not in self._step_counts:
-            self._step_counts[key] = torch.tensor([1, int(sparse), heads], dtype=torch.int64, device=device)
-        total[:3].add_(self._step_counts[key])
-
-    def add_counts(self, first: str, values: torch.Tensor, device: torch.device) -> None:
-        """Add ``values`` (int64 ``[n]``) to the ``n`` counters from ``first`` on (in :data:`FIELDS` order): one
-        in-place addition."""
-        i = _INDEX[first]
-        self._total(device)[i : i + values.numel()].add_(values.to(device))
+        if attended.device != device:  # a store on another device (an offload tier): its figures come over
+            attended, n_pages, count = attended.to(device), n_pages.to(device), count.to(device)
+            pages = None if pages is None else pages.to(device)
+        torch.ops.pikv.record_read(total, attended, pages, n_pages, count, page_size, page_bytes, *step)
 
     def add(self, device: torch.device, **counts: int) -> None:
         """Add Python ``counts`` to the named counters."""

@@ -85,4 +85,21 @@ class SpecialSlots:
     def unread(self, qpos: torch.Tensor) -> torch.Tensor:
         """``[B, H, n_sink + window]`` bool: entries a query at ``qpos`` (one element) does not read (no slot; a recent
         token ``window`` or more positions before the query)."""
-        return self.pos <= qpos.reshape(()) - self.reach
+        return unread(self.pos, self.reach, qpos)
+
+
+def unread(pos: torch.Tensor, reach: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """``SpecialSlots.unread`` of entries at positions ``pos`` (``[B, H, S]``) with their ``reach`` (``[S]``)."""
+    return pos <= qpos.reshape(()) - reach
+
+
+def special_page_mask(
+    slots: torch.Tensor, pos: torch.Tensor, reach: torch.Tensor, qpos: torch.Tensor, start: torch.Tensor, width: int,
+    page_size: int,
+) -> torch.Tensor:  # fmt: skip
+    """``[B, H, width]`` bool: the frame pages of runs starting at pool page ``start`` (``[B, H]``) that hold a special
+    entry (flat pool ``slots``, ``[B, H, S]``, at positions ``pos``) a query at ``qpos`` reads."""
+    local = slots if page_size == 1 else slots.div(page_size, rounding_mode="floor")
+    at = (local - start.unsqueeze(-1)).masked_fill_(unread(pos, reach, qpos), width)  # an extra column, cut below
+    out = torch.zeros(*slots.shape[:2], width + 1, dtype=torch.bool, device=at.device)
+    return out.scatter_(2, at, True)[..., :width]
