@@ -13,11 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 from test_kernels import N_SINK, PADS, WINDOW, H, _assert_close, _case
+from torch._dynamo.backends.debugging import aot_eager
 
+from pikv_hf import PiKVCache
 from pikv_hf.codecs.quant import QuantCodec
 from pikv_hf.kernels import dequant
 from pikv_hf.kernels.decode import _reference_slots, decode_attention_reference
 from pikv_hf.kernels.decode_quant import decode_attention_quant, dequantize_pages, q4_fits, quantize_pages
+from pikv_hf.presses import QuantPress
+from pikv_hf.tiny import tiny_model
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import count_ops  # noqa: E402
@@ -197,3 +201,33 @@ def test_4bit_kernels_compile_for_sm90_without_a_gpu():
     built = dict(line.split() for line in run.stdout.split("\n") if line)
     assert sorted(built) == ["dequant", "q4-128", "q4-16", "q4-64"]
     assert all(int(built[name]) > 0 for name in ("q4-128", "q4-16", "q4-64"))  # the dots stage tiles in shared memory
+
+
+def test_a_compiled_step_over_a_4bit_tier_calls_the_4bit_operator_in_one_graph_and_equals_eager():
+    """Triton backend (kernels interpreted on CPU), head dim 32 and value groups of 16: the compressed tier of every
+    layer is read by ``paged_decode_q4`` inside one ``fullgraph`` graph (the hot store by ``paged_decode``), and the
+    compiled step equals the eager one."""
+    model = tiny_model("llama", seed=0, head_dim=32)
+    cache = PiKVCache(model, max_cache_len=48, attention_backend="triton", page_size=8)
+    graphs = []
+
+    def count_graphs(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    with torch.no_grad():
+        with QuantPress(bits=4, group_size=16, window=4)(model):
+            model(torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+        assert cache.layers[0].tiers["compressed"].tokens_per_shard().sum() > 0
+        reference = cache.fork()
+        torch._dynamo.reset()
+        step = torch.compile(
+            lambda t, pos: model(t, past_key_values=cache, cache_position=pos).logits, backend=count_graphs,
+            fullgraph=True,
+        )  # fmt: skip
+        token, pos = torch.tensor([[7]]), torch.tensor([40])
+        got = step(token, pos)
+        want = model(token, past_key_values=reference, cache_position=pos).logits
+    assert (got - want).abs().max() < 1e-5
+    targets = [n.target for n in graphs[0].graph.nodes]
+    assert len(graphs) == 1 and targets.count(torch.ops.pikv.paged_decode_q4.default) == len(cache.layers)
