@@ -3,7 +3,8 @@
 Keys are quantised per channel over the tokens of a page (the page is KIVI's token group), values per token over
 groups of ``G`` channels, both asymmetric (``x = code * scale + zero``) with ``b`` in {2, 4, 8} bits. The fields are
 exactly the layout of :mod:`pikv_hf.kernels.decode_quant` (``quantize_pages`` / ``dequantize_pages``), so the fused
-Triton kernel can read a quantised tier's pages in place.
+Triton kernel can read a quantised tier's pages in place; a read that needs dense K/V decodes them with one operator
+(:func:`pikv_hf.kernels.dequant.dequantize`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.codecs.base import Codec, PageBatch, as_pages
-from pikv_hf.kernels.decode_quant import BITS, SCALE_DTYPES, QuantPages, dequantize_pages, quantize_pages
+from pikv_hf.kernels.decode_quant import BITS, SCALE_DTYPES, QuantPages, quantize_pages
+from pikv_hf.kernels.dequant import dequantize
 from pikv_hf.store.pool import FieldSpec
 
 
@@ -88,5 +90,5 @@ class QuantCodec(Codec):
             *(fields[name].reshape(n, p, -1) for name in ("vq", "v_scale", "v_zero")),
             bits=self.bits,
         )
-        keys, values = dequantize_pages(quant)
-        return keys.to(self.dtype).reshape(*lead, -1), values.to(self.dtype).reshape(*lead, -1)
+        keys, values = dequantize(quant, self.dtype)  # one operator (torch.ops.pikv.dequant_pages) in eager code
+        return keys.reshape(*lead, -1), values.reshape(*lead, -1)

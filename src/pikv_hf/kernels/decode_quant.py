@@ -21,9 +21,35 @@ one dtype and the kernel dequantises in float32 either way.
 
 Dequantised: ``k[n, t, c] = code * k_scale[n, c] + k_zero[n, c]`` and
 ``v[n, t, c] = code * v_scale[n, t, c // G] + v_zero[n, t, c // G]`` (asymmetric: ``zero`` is the range minimum,
-``scale = (max - min) / (2**b - 1)``). The kernel is ``decode.py``'s (``BITS > 0``): it reads the codes, dequantises
-them in registers and rounds them to the query's dtype for the tensor-core dots (float32 models: float32); its torch
-reference is ``decode_attention_reference(query, *dequantize_pages(quant), ...)``.
+``scale = (max - min) / (2**b - 1)``). The torch reference of every kernel here is
+``decode_attention_reference(query, *dequantize_pages(quant), ...)``.
+
+**4 bits: codes dotted as codes** (``torch.ops.pikv.paged_decode_q4``, used when ``Dk`` and ``Dv`` are powers of two
+>= 32 and a value group is an even number of channels, at most 4 groups per head; other shapes and 2 / 8 bits take
+``decode.py``'s kernel with ``BITS > 0``, which dequantises every code and interleaves the fields in registers). Byte
+``i`` of a slot holds channel ``2i`` in its low nibble and ``2i + 1`` in its high nibble, so a tile's bytes
+``[BLOCK_N, D / 2]`` give two code matrices, ``lo = byte & 15`` (the even channels) and ``hi = byte >> 4`` (the odd
+ones), each already in the order of its half of the channels: no join / reshape / shuffle of unpacked codes. The
+query is loaded once per program as its even and odd halves ``q_e = q[:, 0::2]``, ``q_o = q[:, 1::2]``, and the
+output accumulates as ``acc_e`` / ``acc_o`` (stored to the even / odd channels at the end, strided stores). Codes are
+integers in [0, 15], exact in 16-bit floats, so the tensor cores take them as they are and the scales move out of
+the ``[BLOCK_N, D]`` tile:
+
+* keys: ``s = q . (code * k_scale + k_zero) = (q * k_scale) . code + q . k_zero`` with one scale and zero per page
+  and channel. When a tile lies in one page (``P >= BLOCK_N``) the scale is folded into the query, ``[BLOCK_R, D]``
+  products per tile instead of ``[BLOCK_N, D]`` (``BLOCK_R`` = 16 rows for a GQA group of 4 against tiles of
+  64-128 slots), ``s = (q_e * ks_e) @ lo^T + (q_o * ks_o) @ hi^T + q . k_zero``; smaller pages dequantise ``lo`` /
+  ``hi`` with their slots' page scales (still without the interleave).
+* values: ``o = sum_t p_t (code_t * vs_t + vz_t)`` with one scale and zero per slot and group of ``G`` channels:
+  ``o_g = (p * vs_g) @ code_g + (p . vz_g)``, the scale applied to the ``[BLOCK_R, BLOCK_N]`` probabilities after
+  the softmax, once per group, instead of to the ``[BLOCK_N, D]`` codes. With several groups per head each group
+  takes its own pair of dots whose columns outside the group are dropped (a few more tensor-core products, no
+  per-element work).
+
+The bytes read per slot and KV head are ``(Dk + Dv) / 2`` of codes, ``4 * Dv / G`` of value scales and zeros and
+``4 * Dk / P`` of key scales and zeros (float16), against ``2 * (Dk + Dv)`` for bfloat16 K/V: 3.6x fewer at
+``D = 128``, ``G = P = 64``; the per-element work is a mask or a shift and a conversion per code. The rest (tiles,
+splits, plan masks, the log-sum-exp merge) is ``decode.py``'s (``_tile``, ``_merge_kernel``, ``auto_splits``).
 """
 
 from __future__ import annotations
@@ -32,8 +58,20 @@ from dataclasses import dataclass
 
 import torch
 
-from pikv_hf.kernels._host import expect
-from pikv_hf.kernels.decode import check_decode_args, run_decode
+from pikv_hf.kernels._host import cdiv, expect, next_power_of_2
+from pikv_hf.kernels._triton import HAVE_TRITON, check_launchable, interpreted, jit, tl, triton
+from pikv_hf.kernels.decode import (
+    _LOG2E,
+    _MAX_BLOCK_R,
+    _TUNE_FROM_SLOTS,
+    _dot_dtype,
+    _merge_kernel,
+    _reference_op,
+    _tile,
+    auto_splits,
+    check_decode_args,
+    run_decode,
+)
 
 BITS = (2, 4, 8)
 SCALE_DTYPES = (torch.float32, torch.float16)
@@ -162,6 +200,272 @@ def dequantize_pages(quant: QuantPages) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values.view(n, p, quant.v_dim)
 
 
+# ---------------------------------------------------------------------------------------------- 4-bit kernel
+_Q4_BLOCK_N = 64  # slots per tile for small reads (large ones autotune it on CUDA)
+_Q4_MAX_GROUPS = 4  # value groups per head the 4-bit kernel takes (a pair of dots each)
+# (BLOCK_N, warps, stages) tried on CUDA: H100 / H200 at 16k-32k slots per row read 64-128-slot tiles; deeper pipelines
+# hide the latency of the small code loads (a 128-slot tile of 4-bit K and V is 16 KiB at D = 128)
+_Q4_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3),
+               (128, 8, 4))  # fmt: skip
+
+
+def q4_fits(dk: int, dv: int, group: int) -> bool:
+    """Whether the 4-bit kernel takes these head dims and value group (module docstring)."""
+
+    def pow2(d: int) -> bool:
+        return d >= 32 and d & (d - 1) == 0
+
+    return pow2(dk) and pow2(dv) and group % 2 == 0 and dv // group <= _Q4_MAX_GROUPS
+
+
+def _split_q4_kernel_fn(
+    q_ptr,
+    kq_ptr,
+    vq_ptr,
+    ks_ptr,
+    kz_ptr,
+    vs_ptr,
+    vz_ptr,
+    pos_ptr,
+    valid_ptr,
+    table_ptr,
+    len_ptr,
+    full_ptr,
+    row_start_ptr,
+    qpos_ptr,
+    o_ptr,
+    lse_ptr,
+    count_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    H,
+    n_table,
+    num_splits,
+    n_sink,
+    window,
+    sliding_window,
+    qk_scale,
+    G: tl.constexpr,
+    Q: tl.constexpr,
+    PAGE: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_LEN: tl.constexpr,
+    HAS_FULL: tl.constexpr,
+    HAS_SLIDING: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    SPAN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Program ``(b * H + h, split, row tile)`` of ``decode.py``'s stage 1 over 4-bit pages, the codes dotted as
+    codes in even / odd channel halves (module docstring); same partial outputs, so the same merge follows."""
+    HK: tl.constexpr = DK // 2
+    HV: tl.constexpr = DV // 2
+    NG: tl.constexpr = DV // GROUP
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < G * Q
+    qi = rows % Q
+    qpos_rows = tl.load(qpos_ptr + qi).to(tl.int32)
+    qpos_last = tl.load(qpos_ptr + Q - 1).to(tl.int32)
+    ik = tl.arange(0, HK)
+    iv = tl.arange(0, HV)
+    q_rows = b.to(tl.int64) * stride_qb + (h * G + rows // Q) * stride_qh + qi * stride_qt
+    q_e = tl.load(q_ptr + q_rows[:, None] + 2 * ik[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_o = tl.load(q_ptr + q_rows[:, None] + 2 * ik[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    row_start = tl.load(row_start_ptr + b).to(tl.int32) if HAS_FULL else 0
+    if HAS_LEN:
+        n_slots = tl.load(len_ptr + bh).to(tl.int32) * PAGE
+    else:
+        n_slots = n_table * PAGE
+    per_split = tl.cdiv(tl.cdiv(n_slots, num_splits), BLOCK_N) * BLOCK_N
+    lo = tl.program_id(1) * per_split
+    hi = tl.minimum(lo + per_split, n_slots)
+    row_table = table_ptr + bh.to(tl.int64) * n_table
+    full_row = full_ptr + bh.to(tl.int64) * n_table
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc_e = tl.zeros([BLOCK_R, HV], tl.float32)
+    acc_o = tl.zeros([BLOCK_R, HV], tl.float32)
+    count = tl.zeros([BLOCK_N], tl.int32)
+    for start in range(lo, hi, BLOCK_N):
+        page, slot, load, ok, pos = _tile(
+            start, hi, row_table, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
+            PAGE, BLOCK_N, HAS_FULL,
+        )  # fmt: skip
+        kb = tl.load(kq_ptr + slot[:, None] * HK + ik[None, :], mask=load[:, None], other=0)
+        if PAGE >= BLOCK_N:  # one page: its scales folded into the query, codes dotted as they are
+            at = page.to(tl.int64) * DK + 2 * ik
+            has = tl.zeros_like(ik) + page >= 0
+            ks_e = tl.load(ks_ptr + at, mask=has, other=0.0).to(tl.float32)
+            ks_o = tl.load(ks_ptr + at + 1, mask=has, other=0.0).to(tl.float32)
+            kz_e = tl.load(kz_ptr + at, mask=has, other=0.0).to(tl.float32)
+            kz_o = tl.load(kz_ptr + at + 1, mask=has, other=0.0).to(tl.float32)
+            qk_e = (q_e * ks_e[None, :]).to(DOT_DTYPE)
+            qk_o = (q_o * ks_o[None, :]).to(DOT_DTYPE)
+            s = tl.dot(qk_e, tl.trans((kb & 15).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+            s = tl.dot(qk_o, tl.trans((kb >> 4).to(DOT_DTYPE)), s, input_precision=DOT_PRECISION)
+            s = s + tl.sum(q_e * kz_e[None, :] + q_o * kz_o[None, :], 1)[:, None]
+        else:  # slots of several pages: each code scaled by its page's channel scale
+            at = page.to(tl.int64)[:, None] * DK + 2 * ik[None, :]
+            ks_e = tl.load(ks_ptr + at, mask=load[:, None], other=0.0).to(tl.float32)
+            ks_o = tl.load(ks_ptr + at + 1, mask=load[:, None], other=0.0).to(tl.float32)
+            kz_e = tl.load(kz_ptr + at, mask=load[:, None], other=0.0).to(tl.float32)
+            kz_o = tl.load(kz_ptr + at + 1, mask=load[:, None], other=0.0).to(tl.float32)
+            k_e = ((kb & 15).to(tl.float32) * ks_e + kz_e).to(DOT_DTYPE)
+            k_o = ((kb >> 4).to(tl.float32) * ks_o + kz_o).to(DOT_DTYPE)
+            s = tl.dot(q_e.to(DOT_DTYPE), tl.trans(k_e), input_precision=DOT_PRECISION)
+            s = tl.dot(q_o.to(DOT_DTYPE), tl.trans(k_o), s, input_precision=DOT_PRECISION)
+        s = s * qk_scale
+        attend = ok[None, :] & (pos[None, :] <= qpos_rows[:, None])
+        if HAS_SLIDING:
+            attend = attend & (qpos_rows[:, None] - pos[None, :] < sliding_window)
+        s = tl.where(attend, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        vb = tl.load(vq_ptr + slot[:, None] * HV + iv[None, :], mask=load[:, None], other=0)
+        v_lo = (vb & 15).to(DOT_DTYPE)
+        v_hi = (vb >> 4).to(DOT_DTYPE)
+        acc_e = acc_e * alpha[:, None]
+        acc_o = acc_o * alpha[:, None]
+        for g in tl.static_range(NG):  # scales / zeros of slots not read count as 0 (they may hold NaN)
+            vs = tl.where(ok, tl.load(vs_ptr + slot * NG + g, mask=load, other=0.0).to(tl.float32), 0.0)
+            vz = tl.where(ok, tl.load(vz_ptr + slot * NG + g, mask=load, other=0.0).to(tl.float32), 0.0)
+            pv = (p * vs[None, :]).to(DOT_DTYPE)
+            zero = tl.sum(p * vz[None, :], 1)[:, None]
+            o_e = tl.dot(pv, v_lo, input_precision=DOT_PRECISION) + zero
+            o_o = tl.dot(pv, v_hi, input_precision=DOT_PRECISION) + zero
+            if NG == 1:
+                acc_e += o_e
+                acc_o += o_o
+            else:
+                in_g = ((2 * iv) // GROUP == g)[None, :]
+                acc_e += tl.where(in_g, o_e, 0.0)
+                acc_o += tl.where(in_g, o_o, 0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        last = ok & (pos <= qpos_last)
+        if HAS_SLIDING:
+            last = last & (qpos_last - pos < sliding_window)
+        count += last.to(tl.int32)
+    split, num = tl.program_id(1), tl.num_programs(1)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    inv = 1.0 / tl.maximum(l_i, 1e-30)
+    lse = tl.where(l_i > 0, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
+    part = (bh * num + split).to(tl.int64) * (G * Q) + rows
+    out = o_ptr + part[:, None] * DV + 2 * iv[None, :]
+    tl.store(out, acc_e * inv[:, None], mask=row_ok[:, None])
+    tl.store(out + 1, acc_o * inv[:, None], mask=row_ok[:, None])
+    tl.store(lse_ptr + part, lse, mask=row_ok)
+    if tl.program_id(2) == 0:
+        tl.store(count_ptr + bh * num + split, tl.sum(count, 0))
+
+
+_split_q4_kernel = jit(_split_q4_kernel_fn)
+_split_q4_kernel_tuned = None  # on CUDA: autotuned over tile sizes, warps and pipeline stages (H100 / H200 shapes)
+if HAVE_TRITON and not interpreted(_split_q4_kernel):
+    _split_q4_kernel_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _Q4_CONFIGS],
+        key=["PAGE", "DK", "DV", "BLOCK_R", "GROUP", "HAS_FULL", "HAS_LEN", "SPAN"],
+    )(triton.jit(_split_q4_kernel_fn))
+
+
+def _launch_q4(
+    query, kq, vq, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
+    scale, n_sink, window, sliding_window, group, num_splits,
+):  # fmt: skip
+    """Both stages over 4-bit pages (the 4-bit split kernel, then ``decode.py``'s merge) on checked tensors:
+    ``(o, lse, attended)`` as ``torch.ops.pikv.paged_decode``."""
+    b, hq, q, dk = query.shape
+    h, n = pages.shape[1], pages.shape[2]
+    page = pos.shape[1]
+    dv, dev = vq.shape[-1] * 2, query.device
+    g, rows = hq // h, hq // h * q
+    block_r = min(_MAX_BLOCK_R, max(16, next_power_of_2(rows)))
+    row_tiles = cdiv(rows, block_r)
+    n_slots = n * page
+    if num_splits <= 0:
+        num_splits = auto_splits(dev, b * h * row_tiles, n_slots)
+    splits = max(1, min(num_splits, cdiv(n_slots, 16)))
+    o_part = torch.empty(b * h, splits, rows, dv, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(b * h, splits, rows, dtype=torch.float32, device=dev)
+    counts = torch.empty(b * h, splits, dtype=torch.int32, device=dev)
+    if n_slots == 0 or b * h == 0:  # nothing to read: empty partials (the sinks still merge)
+        o_part.zero_()
+        lse_part.fill_(float("-inf"))
+        counts.zero_()
+    else:
+        check_launchable(_split_q4_kernel, dev)
+        if page_full is not None and row_start is None:
+            row_start = torch.zeros(b, dtype=torch.int64, device=dev)
+        unused = pages  # pointer of an absent optional input (its constexpr switch keeps it unread)
+        tuned = _split_q4_kernel_tuned is not None and n_slots >= _TUNE_FROM_SLOTS
+        kernel = _split_q4_kernel_tuned if tuned else _split_q4_kernel
+        dot_dtype = _dot_dtype(query.dtype, interpreted(_split_q4_kernel))
+        fixed = {} if tuned else dict(BLOCK_N=_Q4_BLOCK_N, num_warps=4, num_stages=2)
+        kernel[(b * h, splits, row_tiles)](
+            query, kq, vq, k_scale, k_zero, v_scale, v_zero, pos, valid.view(torch.uint8), pages,
+            unused if lengths is None else lengths, unused if page_full is None else page_full.view(torch.uint8),
+            unused if row_start is None else row_start, qpos, o_part, lse_part, counts,
+            query.stride(0), query.stride(1), query.stride(2), h, n, splits, n_sink, window, sliding_window,
+            scale * _LOG2E, G=g, Q=q, PAGE=page, DK=dk, DV=dv, BLOCK_R=block_r,
+            HAS_LEN=lengths is not None, HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window > 0,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", GROUP=group,
+            SPAN=next_power_of_2(cdiv(n_slots, splits)) if tuned else 1, **fixed,
+        )  # fmt: skip
+    o = torch.empty(b, hq, q, dv, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, hq, q, dtype=torch.float32, device=dev)
+    check_launchable(_merge_kernel, dev)
+    _merge_kernel[(b * h * rows,)](
+        o_part, lse_part, lse_part if sinks is None else sinks, o, lse, h, splits,
+        R=rows, G=g, Q=q, DV=dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(dv)),
+        HAS_SINKS=sinks is not None,
+    )  # fmt: skip
+    return o, lse, counts.view(b, h, splits).sum(-1)
+
+
+_Q4_SCHEMA = (
+    "(Tensor query, Tensor kq, Tensor vq, Tensor k_scale, Tensor k_zero, Tensor v_scale, Tensor v_zero, Tensor pos, "
+    "Tensor valid, Tensor pages, Tensor qpos, Tensor? page_full, Tensor? row_start, Tensor? lengths, Tensor? sinks, "
+    "float scale, int n_sink, int window, int sliding_window, int group, int num_splits) -> (Tensor, Tensor, Tensor)"
+)
+paged_decode_q4 = torch.library.custom_op("pikv::paged_decode_q4", _launch_q4, mutates_args=(), device_types="cuda",
+                                          schema=_Q4_SCHEMA)  # fmt: skip
+paged_decode_q4.__doc__ = """``torch.ops.pikv.paged_decode_q4``: ``torch.ops.pikv.paged_decode`` over 4-bit pages
+read by the 4-bit kernel (module docstring), the same arguments less ``bits``; nothing is checked here."""
+
+
+def _q4_as_generic(args: tuple) -> tuple:
+    """The operator's arguments in the order of ``paged_decode`` (``bits = 4`` before ``group``)."""
+    return (*args[:-2], 4, *args[-2:])
+
+
+@paged_decode_q4.register_kernel("cpu")
+def _paged_decode_q4_cpu(*args):
+    if interpreted(_split_q4_kernel):
+        return _launch_q4(*args)
+    return _reference_op(*_q4_as_generic(args))
+
+
+@paged_decode_q4.register_fake
+def _paged_decode_q4_fake(query, kq, vq, *rest):
+    b, hq, q, _ = query.shape
+    pages = rest[6]
+    return (
+        query.new_empty(b, hq, q, vq.shape[-1] * 2, dtype=torch.float32),
+        query.new_empty(b, hq, q, dtype=torch.float32),
+        query.new_empty(b, pages.shape[1], dtype=torch.int64),
+    )
+
+
 # ---------------------------------------------------------------------------------------------- kernel
 def decode_attention_quant(
     query: torch.Tensor,
@@ -200,6 +504,14 @@ def decode_attention_quant(
     expect("v_scale", quant.v_scale, (n, p, dv // quant.group), f32, dev)
     expect("v_zero", quant.v_zero, (n, p, dv // quant.group), f32, dev)
     fields = (quant.kq, quant.vq, quant.k_scale, quant.k_zero, quant.v_scale, quant.v_zero)
+    if quant.bits == 4 and q4_fits(dk, dv, quant.group):
+        o, lse, counted = paged_decode_q4(
+            query, *fields, pos, valid, pages, qpos, page_full, row_start, lengths, sinks, float(scale), int(n_sink),
+            int(window), int(sliding_window or 0), quant.group, int(num_splits or 0),
+        )  # fmt: skip
+        if attended is not None:
+            attended.copy_(counted)
+        return o, lse
     return run_decode(
         query, fields, quant.bits, quant.group, pos, valid, pages, qpos, scale, page_full, n_sink, window, row_start,
         lengths, sliding_window, sinks, attended, num_splits,

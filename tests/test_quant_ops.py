@@ -1,0 +1,233 @@
+"""Operators of the 4-bit (and 2 / 8-bit) quantised pages: each a torch custom operator whose CUDA implementation is
+one Triton kernel, tested here in the interpreter (``conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU) against
+its torch reference, through ``torch.library.opcheck`` (schema, fake implementation) and by counting what an eager
+read of a quantised tier dispatches."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_kernels import N_SINK, PADS, WINDOW, H, _assert_close, _case
+from torch._dynamo.backends.debugging import aot_eager
+
+from pikv_hf import PiKVCache
+from pikv_hf.codecs.quant import QuantCodec
+from pikv_hf.kernels import dequant
+from pikv_hf.kernels.decode import _reference_slots, decode_attention_reference
+from pikv_hf.kernels.decode_quant import decode_attention_quant, dequantize_pages, q4_fits, quantize_pages
+from pikv_hf.presses import QuantPress
+from pikv_hf.tiny import tiny_model
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import count_ops  # noqa: E402
+
+
+def _pages(n, p, dk, dv, bits, group, scale_dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(n, p, dk, generator=gen) * 3
+    values = torch.randn(n, p, dv, generator=gen)
+    valid = torch.rand(n, p, generator=gen) > 0.2
+    return quantize_pages(keys, values, bits, group, valid, scale_dtype)
+
+
+@pytest.mark.parametrize(
+    "bits, n, p, dk, dv, group, scale_dtype, dtype",
+    [
+        (4, 5, 64, 64, 64, 64, torch.float16, torch.float32),
+        (4, 3, 20, 128, 64, 16, torch.float32, torch.bfloat16),  # a partial block of slots, Dk != Dv
+        (2, 4, 16, 32, 32, 8, torch.float16, torch.float16),
+        (8, 2, 4, 24, 24, 12, torch.float32, torch.float32),  # head dims that are no power of two
+    ],
+)
+def test_dequant_kernel_equals_the_torch_reference(bits, n, p, dk, dv, group, scale_dtype, dtype):
+    quant = _pages(n, p, dk, dv, bits, group, scale_dtype)
+    keys, values = dequantize_pages(quant)
+    got_k, got_v = dequant._launch(*quant.fields(), bits, dtype)  # the Triton kernel (interpreted on the CPU)
+    assert got_k.dtype == got_v.dtype == dtype
+    assert got_k.shape == (n, p, dk) and got_v.shape == (n, p, dv)
+    # one rounding of the output dtype apart at most: float32 ``code * scale + zero`` may be fused (fma) on one side;
+    # the interpreter also rounds float32 to bfloat16 toward zero (CUDA: to nearest even)
+    ulp = {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(got_k, keys.to(dtype), rtol=ulp, atol=1e-6)
+    torch.testing.assert_close(got_v, values.to(dtype), rtol=ulp, atol=1e-6)
+    op_k, op_v = torch.ops.pikv.dequant_pages(*quant.fields(), bits, dtype)  # CPU: the reference
+    assert torch.equal(op_k, keys.to(dtype)) and torch.equal(op_v, values.to(dtype))
+
+
+def test_dequant_operator_passes_opcheck_and_accepts_strided_fields():
+    quant = _pages(4, 8, 16, 16, 4, 8, torch.float16)
+    torch.library.opcheck(torch.ops.pikv.dequant_pages, (*quant.fields(), 4, torch.float32))
+    wide = torch.zeros(4, 8, 16, dtype=torch.uint8)
+    wide[..., ::2] = quant.kq
+    strided = dequant.QuantPages(wide[..., ::2], *quant.fields()[1:], bits=4)
+    assert not strided.kq.is_contiguous()
+    assert torch.equal(dequant._launch(*strided.fields(), 4, torch.float32)[0], dequantize_pages(quant)[0])
+    with pytest.raises(ValueError, match="bits must be one of"):
+        dequant.dequantize(dequant.QuantPages(*quant.fields(), bits=3))
+
+
+def test_an_eager_read_of_a_quantised_tier_dispatches_one_operator():
+    codec = QuantCodec(4, 16)
+    specs = codec.fields(32, 32, torch.float32)
+    quant = _pages(6, 8, 32, 32, 4, 16, torch.float16)
+    fields = {name: getattr(quant, name).reshape(2, 3, -1, *specs[name].shape) for name in specs}
+    with count_ops.OpCounter() as counter:
+        keys, values = codec.decode(fields)
+    assert dict(counter.counts) == {"dequant_pages": 1}
+    want_k, want_v = dequantize_pages(quant)
+    assert torch.equal(keys, want_k.reshape(2, 3, 8, 32)) and torch.equal(values, want_v.reshape(2, 3, 8, 32))
+
+
+# ---------------------------------------------------------------------------------------------- 4-bit decode kernel
+def _quant_case(gqa, dk, dv, page, dtype, group, q=1, seed=0):
+    """A decode case of ``test_kernels`` whose pages hold 4-bit codes, and its dense side as the pages decode."""
+    case = _case(gqa, dk, dv, page, dtype, q=q, seed=seed)
+    quant = quantize_pages(case.keys, case.values, 4, group=group, valid=case.valid, scale_dtype=torch.float16)
+    keys, values = dequantize_pages(quant)
+    return case, quant, keys.to(dtype), values.to(dtype)
+
+
+@pytest.mark.parametrize(
+    "dtype, page, gqa, dims, group, tol",
+    [
+        (torch.float32, 64, 4, (128, 128), 64, 1e-5),  # tiles inside one page: scales folded into the query
+        (torch.float32, 16, 8, (64, 64), 64, 1e-5),  # tiles over several pages, one value group
+        (torch.float16, 64, 1, (64, 128), 32, 2e-3),  # four value groups, Dk != Dv
+        (torch.bfloat16, 32, 4, (128, 128), 64, 8e-3),  # float32 dots in the interpreter (see decode._dot_dtype)
+    ],
+)
+def test_4bit_kernel_equals_the_reference_on_decoded_pages_exact_and_sparse(dtype, page, gqa, dims, group, tol):
+    """The 4-bit kernel dots codes in even / odd channel halves with the scales moved out of the tile; its result
+    equals attention over the decoded pages (``decode_attention_reference``), for an exact and a sparse plan, and it
+    is the operator that runs (one ``paged_decode_q4``)."""
+    assert q4_fits(dims[0], dims[1], group)
+    case, quant, keys, values = _quant_case(gqa, *dims, page, dtype, group)
+    plan = dict(page_full=case.sparse_full, n_sink=N_SINK, window=WINDOW, row_start=case.row_start)
+    for table, extra in ((case.table, {}), (case.sparse, plan)):
+        args = (case.query, quant, case.pos, case.valid, table, case.qpos, dims[0] ** -0.5)
+        with count_ops.OpCounter() as counter:
+            got = decode_attention_quant(*args, num_splits=2, check=False, **extra)
+        assert counter.counts["paged_decode_q4"] == 1 and "paged_decode" not in counter.counts
+        want = decode_attention_reference(case.query, keys, values, *args[2:], **extra)
+        _assert_close(got, want, tol)
+
+
+def test_4bit_kernel_rows_splits_sliding_window_sinks_lengths_and_attended():
+    """q = 3 tokens x 8 query heads (24 rows), 1 or 3 splits, a sliding window, GPT-OSS sinks, shortened table rows,
+    the slots the last query attends, and a row that reads nothing (zero output, the sink alone)."""
+    case, quant, keys, values = _quant_case(8, 64, 64, 16, torch.float32, 32, q=3, seed=1)
+    sinks = torch.randn(case.query.shape[1], generator=torch.Generator().manual_seed(2))
+    lengths = (case.table >= 0).sum(-1)
+    lengths[0, 1] -= 2
+    table = case.table.clone()
+    table[2] = -1
+    args = (case.query, quant, case.pos, case.valid, table, case.qpos, 0.125)
+    extra = dict(sliding_window=50, sinks=sinks, lengths=lengths)
+    attended = torch.empty(len(PADS), H, dtype=torch.int64)
+    one = decode_attention_quant(*args, num_splits=1, attended=attended, **extra)
+    three = decode_attention_quant(*args, num_splits=3, **extra)
+    _assert_close(one, three, 1e-5)
+    _assert_close(one, decode_attention_reference(case.query, keys, values, *args[2:], **extra), 1e-5)
+    assert torch.equal(one[0][2], torch.zeros_like(one[0][2]))  # row 2 reads nothing: the sink alone
+    assert torch.equal(one[1][2], sinks.view(-1, 1).expand(-1, 3))
+    ok, pos = _reference_slots(case.pos, case.valid, table, case.qpos, None, 0, 0, None, lengths)
+    assert torch.equal(attended, (ok & (case.qpos[-1] - pos < 50) & (pos <= case.qpos[-1])).sum(-1))
+
+
+def test_4bit_kernel_takes_only_the_shapes_it_is_built_for():
+    """Head dims that are no powers of two, value groups of odd size or more than four groups per head go through
+    ``decode.py``'s kernel (``paged_decode`` with ``bits = 4``), with the same result."""
+    assert q4_fits(128, 128, 32) and q4_fits(64, 64, 64) and q4_fits(32, 64, 16)
+    assert not q4_fits(96, 96, 32) and not q4_fits(128, 128, 16) and not q4_fits(16, 16, 16)
+    case, quant, keys, values = _quant_case(4, 64, 64, 16, torch.float32, 8)  # eight groups: the generic kernel
+    args = (case.query, quant, case.pos, case.valid, case.table, case.qpos, 0.125)
+    with count_ops.OpCounter() as counter:
+        got = decode_attention_quant(*args, check=False)
+    assert counter.counts["paged_decode"] == 1 and "paged_decode_q4" not in counter.counts
+    _assert_close(got, decode_attention_reference(case.query, keys, values, *args[2:]), 1e-5)
+
+
+def test_4bit_operator_passes_opcheck():
+    case, quant, _, _ = _quant_case(4, 64, 64, 16, torch.float32, 64)
+    args = (case.query, quant.kq, quant.vq, quant.k_scale, quant.k_zero, quant.v_scale, quant.v_zero, case.pos,
+            case.valid, case.table, case.qpos, None, None, None, None, 0.125, 0, 0, 0, 64, 1)  # fmt: skip
+    torch.library.opcheck(torch.ops.pikv.paged_decode_q4, args, test_utils=("test_schema", "test_faketensor"))
+
+
+_COMPILE_SM90 = """
+import inspect, triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pikv_hf.kernels import decode_quant, dequant
+
+
+def compile(kernel, fn, types, const, default):
+    names = list(inspect.signature(fn).parameters)
+    sig = {n: "constexpr" if n in const else types.get(n, default) for n in names}
+    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 3})
+
+
+types = {"q_ptr": "*bf16", "kq_ptr": "*u8", "vq_ptr": "*u8", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8",
+         "count_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+types |= dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16")
+types |= dict.fromkeys(("table_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")
+for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
+    const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, HAS_LEN=True, HAS_FULL=True, HAS_SLIDING=True,
+                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=group, SPAN=4096, BLOCK_N=block_n)
+    k = compile(decode_quant._split_q4_kernel, decode_quant._split_q4_kernel_fn, types, const, "i32")
+    print(f"q4-{page}", k.metadata.shared)
+types = dict.fromkeys(("kq_ptr", "vq_ptr"), "*u8") | dict.fromkeys(("k_out_ptr", "v_out_ptr"), "*bf16")
+const = dict(P=64, DK=128, DV=128, BITS=4, GROUP=64, BLOCK_P=16, BLOCK_BK=64, BLOCK_BV=64)
+k = compile(dequant._dequant_kernel, dequant._dequant_kernel.fn, types, const, "*fp16")
+print("dequant", k.metadata.shared)
+"""
+
+
+def test_4bit_kernels_compile_for_sm90_without_a_gpu():
+    """The CUDA front end compiles what the interpreter does not check (dot shapes and dtypes, layouts of the
+    nibble halves): the 4-bit decode kernel (a tile in one page and over several pages, one to four value groups)
+    and the dequantisation kernel must compile for sm_90 with bfloat16 dots, in a subprocess without
+    ``TRITON_INTERPRET``."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = dict(line.split() for line in run.stdout.split("\n") if line)
+    assert sorted(built) == ["dequant", "q4-128", "q4-16", "q4-64"]
+    assert all(int(built[name]) > 0 for name in ("q4-128", "q4-16", "q4-64"))  # the dots stage tiles in shared memory
+
+
+def test_a_compiled_step_over_a_4bit_tier_calls_the_4bit_operator_in_one_graph_and_equals_eager():
+    """Triton backend (kernels interpreted on CPU), head dim 32 and value groups of 16: the compressed tier of every
+    layer is read by ``paged_decode_q4`` inside one ``fullgraph`` graph (the hot store by ``paged_decode``), and the
+    compiled step equals the eager one."""
+    model = tiny_model("llama", seed=0, head_dim=32)
+    cache = PiKVCache(model, max_cache_len=48, attention_backend="triton", page_size=8)
+    graphs = []
+
+    def count_graphs(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    with torch.no_grad():
+        with QuantPress(bits=4, group_size=16, window=4)(model):
+            model(torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+        assert cache.layers[0].tiers["compressed"].tokens_per_shard().sum() > 0
+        reference = cache.fork()
+        torch._dynamo.reset()
+        step = torch.compile(
+            lambda t, pos: model(t, past_key_values=cache, cache_position=pos).logits, backend=count_graphs,
+            fullgraph=True,
+        )  # fmt: skip
+        token, pos = torch.tensor([[7]]), torch.tensor([40])
+        got = step(token, pos)
+        want = model(token, past_key_values=reference, cache_position=pos).logits
+    assert (got - want).abs().max() < 1e-5
+    targets = [n.target for n in graphs[0].graph.nodes]
+    assert len(graphs) == 1 and targets.count(torch.ops.pikv.paged_decode_q4.default) == len(cache.layers)
