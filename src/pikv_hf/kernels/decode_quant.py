@@ -296,9 +296,9 @@ def _split_q4_kernel_fn(
     count = tl.zeros([BLOCK_N], tl.int32)
     for start in range(lo, hi, BLOCK_N):
         page, slot, load, ok, pos = _tile(
-            start, hi, row_table, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
-            PAGE, BLOCK_N, HAS_FULL,
-        )  # fmt: skip
+            start, hi, row_table, 0, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
+            PAGE, BLOCK_N, HAS_FULL, 0,
+        )  # fmt: skip  (a table of global page ids)
         kb = tl.load(kq_ptr + slot[:, None] * HK + ik[None, :], mask=load[:, None], other=0)
         if PAGE >= BLOCK_N:  # one page: its scales folded into the query, codes dotted as they are
             at = page.to(tl.int64) * DK + 2 * ik
@@ -423,13 +423,16 @@ def _launch_q4(
         )  # fmt: skip
     o = torch.empty(b, hq, q, dv, dtype=torch.float32, device=dev)
     lse = torch.empty(b, hq, q, dtype=torch.float32, device=dev)
+    attended = torch.empty(b, h, dtype=torch.int64, device=dev)
     check_launchable(_merge_kernel, dev)
     _merge_kernel[(b * h * rows,)](
-        o_part, lse_part, lse_part if sinks is None else sinks, o, lse, h, splits,
+        o_part, lse_part, lse_part if sinks is None else sinks, counts, o, lse, attended, h, splits,
         R=rows, G=g, Q=q, DV=dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(dv)),
         HAS_SINKS=sinks is not None,
     )  # fmt: skip
-    return o, lse, counts.view(b, h, splits).sum(-1)
+    if rows == 0:  # no merge program ran
+        attended.copy_(counts.view(b, h, splits).sum(-1))
+    return o, lse, attended
 
 
 _Q4_SCHEMA = (
