@@ -193,3 +193,32 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["ok", "ok"]
+
+
+def test_round_robin_counts_once_per_page_with_one_page_of_room():
+    """Under the round robin with the position known on the host, the tokens of one group of ``P`` ordinals open at
+    most one page: a run kept one page ahead (a small store, as the hot store beside a 4-bit tier) is counted once
+    per page, not every step, and never runs past its capacity."""
+    st = _stores(8, 16)[0]
+    st.append(torch.randn(B, H, 40, D), torch.randn(B, H, 40, D), torch.zeros(B, H, 40, dtype=torch.int64),
+              torch.arange(40))  # fmt: skip
+    reads = 0
+    real = torch.Tensor.__int__
+
+    def counting(t):
+        nonlocal reads
+        reads += 1
+        return real(t)
+
+    torch.Tensor.__int__ = counting
+    steps_that_read = 0
+    try:
+        for t in range(40, 40 + 64):
+            before = reads
+            st.append_one(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), None, torch.tensor([t]), position=t)
+            steps_that_read += reads > before
+            assert bool((st.table.n_pages <= st.table.cap).all())
+            assert int(st.table.cap.max()) <= int(st.table.n_pages.max()) + 1  # one page ahead, no more
+    finally:
+        torch.Tensor.__int__ = real
+    assert 0 < steps_that_read <= 64 // 16 + 1

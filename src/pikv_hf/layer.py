@@ -225,7 +225,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         # the first chunk into an empty layer (no padding) is attended with SDPA over these tensors, then dropped
         self._fresh_kv = (key_states, value_states) if q > 1 and self.seen == 0 and present is None else None
         if decode:  # one token per (row, head): one operator (pikv_hf.kernels.append)
-            self.store.append_one(key_states, value_states, shard, token_index, row_start, not self.is_compileable)
+            grow, position = not self.is_compileable, None if row_start is not None else self._seen
+            self.store.append_one(key_states, value_states, shard, token_index, row_start, grow, position)
         else:
             slots_of = None if present is None else present.unsqueeze(1).expand_as(shard)
             self.store.append(key_states, value_states, shard, token_index, slots_of, grow=not self.is_compileable)

@@ -96,6 +96,7 @@ class PagedStore:
         self._summarised = False  # key statistics kept at all (from the first summary() on; counts always)
         self._room = 0  # pages every run could still take when last counted (a lower bound, kept on the host)
         self._since = 0  # decode tokens per run appended since (append_one): the pages they opened are bounded
+        self._first: int | None = None  # the ordinal of the first of them, when known on the host
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
         self._marks: SpecialSlots | None = None  # the sink and recent-window slots (special_slots), kept on appends
 
@@ -128,7 +129,7 @@ class PagedStore:
         self._set_room(int((cap - n_pages).min()) if cap.numel() else 0)
 
     def _set_room(self, room: int) -> None:
-        self._room, self._since = room, 0
+        self._room, self._since, self._first = room, 0, None
 
     def _reserve(self, need: torch.Tensor, q: int) -> None:
         """Grow the runs that need more than ``need`` (``[B, H]``) pages, with 1/64 headroom (uniform stays uniform).
@@ -137,8 +138,8 @@ class PagedStore:
         room (``_room``, counted down on the host) nothing is read back from the device."""
         t = self.table
         most = min(q, self.num_shards) + q // self.page_size
-        if self._room - self._opened(self._since, False) >= most:
-            self._set_room(self._room - self._opened(self._since, False) - most)
+        if self._room - self._opened(self._since, False, None) >= most:
+            self._set_room(self._room - self._opened(self._since, False, None) - most)
             return
         room = int((t.cap - need).min())
         if room >= 0:
@@ -152,22 +153,28 @@ class PagedStore:
         self._relayout(cap, t.start, t.n_pages)
         self._set_room(int((cap - need).min()))
 
-    def _opened(self, n: int, round_robin: bool) -> int:
-        """Most pages one run can have opened for ``n`` decode tokens: a shard given ``n_j`` of them opens at most
-        ``ceil(n_j / P)``; summed, ``n // P`` plus one per shard left with a partial page, of which the page-granular
-        round robin touches at most ``(n - 1) // P + 2``."""
+    def _opened(self, n: int, round_robin: bool, first: int | None = None) -> int:
+        """Most pages one run can have opened for ``n`` decode tokens. A shard given ``n_j`` of them opens at most
+        ``ceil(n_j / P)``: summed, ``n // P`` plus one per shard left with a partial page. Under the page-granular
+        round robin the tokens of one group of ``P`` ordinals all go to one shard and open at most one page
+        (whatever its open page held before), so the groups the ordinals ``first .. first + n - 1`` touch bound it
+        (``first`` None: unknown alignment, as in a left-padded batch)."""
         p = self.page_size
         if n == 0 or p == 1:
-            return n // p
-        return n // p + min(self.num_shards, n, (n - 1) // p + 2 if round_robin else n)
+            return n
+        if round_robin:
+            return min(n, (n - 1) // p + 2 if first is None else (first % p + n - 1) // p + 1)
+        return n // p + min(self.num_shards, n)
 
-    def _reserve_one(self, round_robin: bool) -> None:
-        """Room for one more token per run. While the pages the decode tokens since the last count can have opened
-        stay within the room counted then, nothing is read back from the device (with the 1/64 headroom of a grown
-        run, a count every ``P * cap / 128`` steps or so). A count that finds a run full grows it by 1/64, at least
-        one page: the next page is reserved before a token needs it (the operator cannot grow a run)."""
+    def _reserve_one(self, round_robin: bool, position: int | None) -> None:
+        """Room for one more token per run (``position``: its ordinal, the same in every row, when known on the
+        host). While the pages the decode tokens since the last count can have opened stay within the room counted
+        then, nothing is read back from the device: under the round robin a count comes once per page (when the
+        tokens enter a new group), otherwise about every ``P * cap / 128`` steps with the 1/64 headroom. A count
+        that finds a run full grows it by 1/64, at least one page: the next page is reserved before a token needs
+        it (the operator cannot grow a run)."""
         n = self._since + 1
-        if self._opened(n, round_robin) <= self._room:
+        if self._opened(n, round_robin, self._first) <= self._room:
             self._since = n
             return
         t = self.table
@@ -181,7 +188,7 @@ class PagedStore:
                 cap = torch.where(used >= t.cap, used + (used // 64).clamp(min=1), t.cap)
             self._relayout(cap, t.start, used)
             room = int((cap - used).min())
-        self._room, self._since = room, 1
+        self._room, self._since, self._first = room, 1, position
 
     # ------------------------------------------------------------------ writes
     def reserve(self, pages: int) -> None:
@@ -278,17 +285,18 @@ class PagedStore:
         pos: torch.Tensor,
         row_start: torch.Tensor | None = None,
         grow: bool = True,
+        position: int | None = None,
     ) -> torch.Tensor:
         """:meth:`append` of one token per (row, head), every token present: a decode step.
 
         ``keys`` / ``values`` ``[B, H, 1, D]``; ``shard`` ``[B, H, 1]``, or None for the page-granular round robin on
         each row's token ordinal (``pos - row_start``, ``row_start`` ``[B]`` or None: 0); ``pos`` ``[1]``: the tokens'
-        sequence position. Slot assignment and the writes of the token, its page's shard,
-        the shard's count and (once kept) key statistics are one operator (``pikv_hf.kernels.append``: one kernel
-        launch on CUDA); a codec's encoding, slot statistics and Quest's page bounds follow. Returns ``[B, H, 1]``
-        flat slots."""
+        sequence position (``position``: the same as a host int, when known and every row counts from 0). Slot
+        assignment and the writes of the token, its page's shard, the shard's count and (once kept) key statistics
+        are one operator (``pikv_hf.kernels.append``: one kernel launch on CUDA); a codec's encoding, slot statistics
+        and Quest's page bounds follow. Returns ``[B, H, 1]`` flat slots."""
         if grow:
-            self._reserve_one(shard is None)
+            self._reserve_one(shard is None, position)
         t, pool = self.table, self.pool
         sums = self.stats.key_stats() if self._summarised else (None,) * 4
         identity = isinstance(self.codec, IdentityCodec)
