@@ -5,6 +5,7 @@ the kernel for sm_90."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -122,6 +123,22 @@ def test_store_append_one_equals_general_append(num_shards, page_size, round_rob
         torch.testing.assert_close(getattr(one.stats, name), getattr(ref.stats, name), rtol=1e-6, atol=1e-5)
 
 
+@contextlib.contextmanager
+def _host_reads():
+    """Counts the tensor values read back as Python ints inside it (``[n]``)."""
+    reads, real = [0], torch.Tensor.__int__
+
+    def counting(t):
+        reads[0] += 1
+        return real(t)
+
+    torch.Tensor.__int__ = counting
+    try:
+        yield reads
+    finally:
+        torch.Tensor.__int__ = real
+
+
 def test_append_one_room_is_counted_on_the_host():
     """Decode appends read the room left back from the device only when the pages the tokens since the last count
     could have opened may exceed it: with the 1/64 headroom of 16k tokens in pages of 16 (16 pages), round robin
@@ -131,24 +148,12 @@ def test_append_one_room_is_counted_on_the_host():
     t0 = 16384
     st.append(torch.randn(1, 1, t0, D).expand(B, H, -1, -1), torch.zeros(B, H, t0, D),
               torch.zeros(B, H, t0, dtype=torch.int64), torch.arange(t0))  # fmt: skip
-    reads = 0
-    real = torch.Tensor.__int__
-
-    def counting(t):
-        nonlocal reads
-        reads += 1
-        return real(t)
-
-    torch.Tensor.__int__ = counting
     steps_that_read = 0
-    try:
-        for t in range(t0, t0 + 64):
-            before = reads
+    for t in range(t0, t0 + 64):
+        with _host_reads() as reads:
             st.append_one(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), None, torch.tensor([t]))
-            steps_that_read += reads > before
-            assert bool((st.table.n_pages <= st.table.cap).all())
-    finally:
-        torch.Tensor.__int__ = real
+        steps_that_read += reads[0] > 0
+        assert bool((st.table.n_pages <= st.table.cap).all())
     assert steps_that_read <= 1
 
 
@@ -202,23 +207,11 @@ def test_round_robin_counts_once_per_page_with_one_page_of_room():
     st = _stores(8, 16)[0]
     st.append(torch.randn(B, H, 40, D), torch.randn(B, H, 40, D), torch.zeros(B, H, 40, dtype=torch.int64),
               torch.arange(40))  # fmt: skip
-    reads = 0
-    real = torch.Tensor.__int__
-
-    def counting(t):
-        nonlocal reads
-        reads += 1
-        return real(t)
-
-    torch.Tensor.__int__ = counting
     steps_that_read = 0
-    try:
-        for t in range(40, 40 + 64):
-            before = reads
+    for t in range(40, 40 + 64):
+        with _host_reads() as reads:
             st.append_one(torch.randn(B, H, 1, D), torch.randn(B, H, 1, D), None, torch.tensor([t]), position=t)
-            steps_that_read += reads > before
-            assert bool((st.table.n_pages <= st.table.cap).all())
-            assert int(st.table.cap.max()) <= int(st.table.n_pages.max()) + 1  # one page ahead, no more
-    finally:
-        torch.Tensor.__int__ = real
+        steps_that_read += reads[0] > 0
+        assert bool((st.table.n_pages <= st.table.cap).all())
+        assert int(st.table.cap.max()) <= int(st.table.n_pages.max()) + 1  # one page ahead, no more
     assert 0 < steps_that_read <= 64 // 16 + 1
