@@ -166,8 +166,9 @@ def run_point(model, tokenizer, modes: list[str], context: int, batch: int, args
 BUCKETS = {  # key: (what it is, the methods timed)
     "attention": "attention read (TorchBackend.attend)",
     "selection": "selection and planning (RoutedRead.plans)",
-    "statistics": "statistics (DecodeStep._record, DecodeStep._record_mass, ShardStats.add_one)",
+    "statistics": "statistics (DecodeStep._record, DecodeStep._record_mass)",
     "placement": "placement of the new token (KeyClusterPlacement.place)",
+    "append": "append of the new token, its shard's key statistics included (PagedStore.append_one)",
 }
 
 
@@ -176,13 +177,14 @@ def _buckets() -> dict[str, list[tuple[type, str]]]:
     from pikv_hf.read.routed import RoutedRead
     from pikv_hf.routing.key_cluster import KeyClusterPlacement
     from pikv_hf.step import DecodeStep
-    from pikv_hf.store.summary import ShardStats
+    from pikv_hf.store import PagedStore
 
     return {
         "attention": [(TorchBackend, "attend")],
         "selection": [(RoutedRead, "plans")],
-        "statistics": [(DecodeStep, "_record"), (DecodeStep, "_record_mass"), (ShardStats, "add_one")],
+        "statistics": [(DecodeStep, "_record"), (DecodeStep, "_record_mass")],
         "placement": [(KeyClusterPlacement, "place")],
+        "append": [(PagedStore, "append_one")],
     }
 
 
@@ -230,7 +232,7 @@ def profile_routed(model, tokenizer, context: int, batch: int, steps: int) -> di
         exact.step()
     step_s = sum(run.times)
     shares = {k: v / step_s for k, v in totals.items()}
-    bookkeeping = sum(v for k, v in shares.items() if k != "attention")
+    bookkeeping = sum(v for k, v in shares.items() if k not in ("attention", "append"))
     return {
         "context": context,
         "batch": batch,
