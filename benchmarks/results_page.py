@@ -36,6 +36,7 @@ SECTIONS = [
     Section("Exact cache vs DynamicCache", (decode.CACHE_EXACT,), decode.cache_exact),
     Section("Decode speed", decode.DECODE_SPEED, decode.decode_speed),
     Section("Decode regression", decode.DECODE_REGRESSION, decode.decode_regression),
+    Section("Operators per decode step", (decode.OPS,), decode.ops_per_step),
     Section("Routing recall", (routing.RECALL_GLOB,), routing.routing_recall),
     Section("Routing quality on RULER needles", (routing.QUALITY_GLOB,), routing.routing_quality),
     Section("kvpress presses on RULER needles", (scheduling.RULER_TABLE,), scheduling.ruler_baseline),

@@ -308,3 +308,34 @@ def headline_exact(rec: Recorder) -> tuple[str, str, str] | None:
         f"{rec.fig('r3', at(p, r + 'kv_bytes_ratio_pikv_over_dynamic'))}x DynamicCache's",
         "Exact cache vs DynamicCache",
     )
+
+
+# ------------------------------------------------------------------------------------------ operators per decode step
+
+OPS = f"{BENCH}/ops_per_step_cpu.json"
+
+
+def ops_per_step(rec: Recorder) -> Body:
+    """Operators one eager decode step dispatches, every way against DynamicCache (a GPU launches a kernel for each)."""
+    p = OPS
+    d = rec.load(p)
+    rows = []
+    for way, r in d["ways"].items():
+        k = f"ways.{way}."
+        goal = "" if r["goal"] is None else f"<= {r['goal']}: {verdict(r['met'])}"
+        rows.append([way, rec.fig("int", at(p, k + "ops_per_step")), rec.fig("r2", at(p, k + "ratio_to_dynamic")),
+                     rec.fig("int", at(p, k + "host_reads_per_step")), goal])  # fmt: skip
+    m = d["model"]
+    return Body(
+        measured=(
+            f"aten operators of one eager decode step after a {d['context']}-token prefill (batch {d['batch']}, "
+            f"{d['warmup_steps']} warm-up steps, sparse reads forced) on a {m['dtype']} model of {m['shape']}'s shape "
+            f"({m['layers']} layers, {m['weights']} weights); views and bare allocations are not counted, values "
+            "read back to the host are counted apart; a custom operator (one Triton launch on CUDA) counts as one"
+        ),
+        commands=["make bench-ops"],
+        machine=machine_text(rec, p),
+        reads="routed: 64 of 256 key-cluster shards (mass target 0.97); Quest 1/8: 1/8 of the pages per KV head",
+        budget="per KV head (the reads above); 4-bit: the prefill's tokens kept in 4-bit pages",
+        text=table(["way", "operators", "x DynamicCache", "host reads", "goal (issue 31)"], rows),
+    )
