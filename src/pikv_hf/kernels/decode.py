@@ -415,7 +415,13 @@ def _launch(
     query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
     scale, n_sink, window, sliding_window, bits, group, num_splits, run_start, width,
 ):  # fmt: skip
-    """Both stages on tensors already checked by the public wrappers: ``(o, lse, attended)``."""
+    """Both stages on tensors already checked by the public wrappers: ``(o, lse, attended)``. The tables are indexed
+    as contiguous rows: under ``torch.compile`` the operator may be handed a strided view even where the traced
+    wrapper asked for a contiguous one (a no-op ``contiguous()`` on the traced tensor), so they are made so here (no
+    copy when they are)."""
+    pages, page_full, lengths, run_start = (
+        None if t is None else t.contiguous() for t in (pages, page_full, lengths, run_start)
+    )
     b, hq, q, dk = query.shape
     h, n = (pages.shape[1], pages.shape[2]) if pages is not None else (run_start.shape[1], width)
     page = pos.shape[1]

@@ -383,7 +383,8 @@ def _launch_q4(
     scale, n_sink, window, sliding_window, group, num_splits,
 ):  # fmt: skip
     """Both stages over 4-bit pages (the 4-bit split kernel, then ``decode.py``'s merge) on checked tensors:
-    ``(o, lse, attended)`` as ``torch.ops.pikv.paged_decode``."""
+    ``(o, lse, attended)`` as ``torch.ops.pikv.paged_decode`` (tables made contiguous as there)."""
+    pages, page_full, lengths = (None if t is None else t.contiguous() for t in (pages, page_full, lengths))
     b, hq, q, dk = query.shape
     h, n = pages.shape[1], pages.shape[2]
     page = pos.shape[1]
