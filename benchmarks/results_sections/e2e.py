@@ -211,7 +211,8 @@ def e2e(rec: Recorder) -> Body:
 
 
 def compiled_rows(rec: Recorder, path: str, i: int) -> list[list[str]]:
-    """Per way of point ``i``: eager and compiled ms/token with their ratios, the first (compiling) step's seconds;
+    """Per way of point ``i``: eager and compiled ms/token with their ratios and KV bytes held (a compiled cache
+    reserves ``max_cache_len``), the first (compiling) step's seconds;
     DynamicCache's row holds StaticCache compiled beside it."""
     results = rec.load(path)["points"][i]["results"]
     rows = []
@@ -224,17 +225,19 @@ def compiled_rows(rec: Recorder, path: str, i: int) -> list[list[str]]:
         if mode in results:
             cells.append(f"{rec.fig('ms', at(path, r + mode + '.ms_per_token'))} "
                          f"({rec.fig('r2', at(path, r + mode + '.ms_ratio'))})")  # fmt: skip
+            cells.append(rec.fig("mib", at(path, r + mode + ".kv_bytes")))
         else:
-            cells.append("-")
+            cells += ["-", "-"]
         if compiled not in results:
-            cells += ["not run", "-", "-"]
+            cells += ["not run", "-", "-", "-"]
         elif "error" in results[compiled]:
-            cells += [f"does not compile: {results[compiled]['error'].splitlines()[0][:120]}", "-", "-"]
+            cells += [f"does not compile: {results[compiled]['error'].splitlines()[0][:120]}", "-", "-", "-"]
         else:
             c = r + compiled + "."
             cells += [
                 f"{rec.fig('ms', at(path, c + 'ms_per_token'))} ({rec.fig('r2', at(path, c + 'ms_ratio'))})",
                 rec.fig("r2", at(path, c + "static_ratio")),
+                rec.fig("mib", at(path, c + "kv_bytes")),
                 rec.fig("s", at(path, c + "warmup_s.0")),
             ]
         rows.append(cells)
@@ -255,8 +258,8 @@ def e2e_compiled(rec: Recorder) -> Body:
     """Every way eager and with its decode step compiled (inductor on the CPU), in one run per point."""
     p = E2E_COMPILED
     d = rec.load(p)
-    header = ["way", "eager ms/token (x Dynamic)", "compiled ms/token (x Dynamic)", "x StaticCache compiled",
-              "first step (compiles), s"]  # fmt: skip
+    header = ["way", "eager ms/token (x Dynamic)", "eager KV MiB", "compiled ms/token (x Dynamic)",
+              "x StaticCache compiled", "compiled KV MiB", "first step (compiles), s"]  # fmt: skip
     parts = []
     for i, pt in enumerate(d["points"]):
         parts.append(
