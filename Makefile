@@ -48,6 +48,7 @@ bench: $(STAMP)
 # End to end on the real SmolLM2 (and its 8-expert upcycle): ms/token of every way against DynamicCache in one run,
 # prefill, KV bytes, fraction read, and where a routed step's time goes (~2.5 h on 2 cores; resumes from the JSON)
 E2E := benchmarks/results/e2e_cpu.json
+E2E_COMPILED := benchmarks/results/e2e_compiled_cpu.json
 bench-e2e: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 1 --batches 1 \
 		--contexts 2048 4096 8192 --profile --out $(E2E)
@@ -57,6 +58,10 @@ bench-e2e: $(STAMP)
 		--out $(E2E)
 	OMP_NUM_THREADS=2 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 2 --batches 1 --contexts 2048 8192 \
 		--out $(E2E)
+	# every way eager and with its decode step compiled (inductor), StaticCache compiled beside DynamicCache
+	OMP_NUM_THREADS=1 $(PY) benchmarks/bench_e2e.py --models smollm2 --threads 1 --batches 1 --contexts 2048 8192 \
+		--steps 12 --rounds 3 --compile --modes dynamic exact routed quest_1_8 quant4 quest_quant4 \
+		--compiled-modes static exact routed quest_1_8 quant4 quest_quant4 --out $(E2E_COMPILED)
 
 # Page store: ragged budgets (100% / 12.5% of heads) bytes against the bound, eviction cost against one decode attention
 bench-store: $(STAMP)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from .framework import BENCH, Body, Recorder, at, machine_text, table, verdict
 
 E2E = f"{BENCH}/e2e_cpu.json"
+E2E_COMPILED = f"{BENCH}/e2e_compiled_cpu.json"
+COMPILED = "_compiled"  # bench_e2e's suffix of a compiled way's row
 ALWAYS_SPARSE = f"{BENCH}/e2e_always_sparse_cpu.json"
 MODE_TEXT = {
     "dynamic": "DynamicCache (model's SDPA)",
@@ -205,6 +207,82 @@ def e2e(rec: Recorder) -> Body:
         "sinks and 64 recent tokens; Quest 1/8 of pages of 16; 4-bit: every token older than 128 positions; H2O keeps "
         "half of each (row, KV head)'s tokens resident",
         text="\n\n".join(part for part in parts if part),
+    )
+
+
+def compiled_rows(rec: Recorder, path: str, i: int) -> list[list[str]]:
+    """Per way of point ``i``: eager and compiled ms/token with their ratios and KV bytes held (a compiled cache
+    reserves ``max_cache_len``), the first (compiling) step's seconds;
+    DynamicCache's row holds StaticCache compiled beside it."""
+    results = rec.load(path)["points"][i]["results"]
+    rows = []
+    for mode in MODE_TEXT:
+        compiled = "static" + COMPILED if mode == "dynamic" else mode + COMPILED
+        if mode not in results and compiled not in results:
+            continue
+        cells = [MODE_TEXT[mode] + (" / StaticCache compiled" if mode == "dynamic" else "")]
+        r = f"points.{i}.results."
+        if mode in results:
+            cells.append(f"{rec.fig('ms', at(path, r + mode + '.ms_per_token'))} "
+                         f"({rec.fig('r2', at(path, r + mode + '.ms_ratio'))})")  # fmt: skip
+            cells.append(rec.fig("mib", at(path, r + mode + ".kv_bytes")))
+        else:
+            cells += ["-", "-"]
+        if compiled not in results:
+            cells += ["not run", "-", "-", "-"]
+        elif "error" in results[compiled]:
+            cells += [f"does not compile: {results[compiled]['error'].splitlines()[0][:120]}", "-", "-", "-"]
+        else:
+            c = r + compiled + "."
+            cells += [
+                f"{rec.fig('ms', at(path, c + 'ms_per_token'))} ({rec.fig('r2', at(path, c + 'ms_ratio'))})",
+                rec.fig("r2", at(path, c + "static_ratio")),
+                rec.fig("mib", at(path, c + "kv_bytes")),
+                rec.fig("s", at(path, c + "warmup_s.0")),
+            ]
+        rows.append(cells)
+    return rows
+
+
+def fastest(rec: Recorder, path: str, i: int) -> str:
+    """The fastest row of point ``i``: its way, eager or compiled."""
+    results = rec.load(path)["points"][i]["results"]
+    timed = {name: r["ms_per_token"] for name, r in results.items() if "ms_per_token" in r}
+    name = min(timed, key=timed.get)
+    way = "static" if name == "static" + COMPILED else name.removesuffix(COMPILED)
+    text = "StaticCache" if way == "static" else MODE_TEXT[way]
+    return f"{text}, {'compiled' if name.endswith(COMPILED) else 'eager'}"
+
+
+def e2e_compiled(rec: Recorder) -> Body:
+    """Every way eager and with its decode step compiled (inductor on the CPU), in one run per point."""
+    p = E2E_COMPILED
+    d = rec.load(p)
+    header = ["way", "eager ms/token (x Dynamic)", "eager KV MiB", "compiled ms/token (x Dynamic)",
+              "x StaticCache compiled", "compiled KV MiB", "first step (compiles), s"]  # fmt: skip
+    parts = []
+    for i, pt in enumerate(d["points"]):
+        parts.append(
+            f"{pt['model']}, {pt['threads']} thread(s), batch {pt['batch']}, {pt['context']} tokens (git {pt['git']}); "
+            f"fastest: {fastest(rec, p, i)}:\n\n" + table(header, compiled_rows(rec, p, i))
+        )
+    if d.get("note"):
+        parts.append(d["note"])
+    compile_cfg = d["config"]["compile"]
+    return Body(
+        measured=(
+            "as the eager section above, plus each way's decode step compiled once: the model's one-token forward "
+            "under "
+            f"`torch.compile(backend={compile_cfg['backend']!r}, fullgraph=True, dynamic=False)` over "
+            "`PiKVCache(model, max_cache_len=N)` (StaticCache for the compiled baseline); the first calls (warm-up, "
+            f"{d['config']['warmup']} steps, the first compiles) are not timed; every way eager and compiled takes "
+            f"turns over {d['config']['rounds']} rounds of the {d['config']['steps']} timed steps (median ms/token)"
+        ),
+        commands=d["commands"],
+        machine=machine_text(rec, p),
+        reads="as the eager section above (compiled ways read the same)",
+        budget="as the eager section above",
+        text="\n\n".join(parts),
     )
 
 
