@@ -115,3 +115,55 @@ def test_operators_dispatch_once_and_trace_with_their_fake():
 
     compiled = torch.compile(plan, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(*args), pages)
+
+
+def _group_inputs(b=2, h=3, widths=(3, 40), sizes=(1, 16), seed=0):
+    """Scores of several stores (ties within and across stores, sink / window pages, empty pages) and their pages in
+    use."""
+    gen = torch.Generator().manual_seed(seed)
+    scores, n_pages = [], []
+    for w in widths:
+        score, n = _select_inputs(b, h, w, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+        scores.append(score)
+        n_pages.append(n)
+    return scores, n_pages, list(sizes)
+
+
+def _group_by_hand(scores, n_pages, sizes, fraction, bi, hi):
+    """Store ``s``'s plan of row ``(bi, hi)`` from an explicit walk over all pages by descending score."""
+    pages = [(float(x[bi, hi, i]), s, i) for s, x in enumerate(scores) for i in range(x.shape[-1])]
+    pages.sort(key=lambda e: -e[0])  # stable: ties keep store, then page order
+    budget = fraction * sum(int(n[bi, hi]) * p for n, p in zip(n_pages, sizes, strict=True))
+    taken, before = [[] for _ in scores], 0
+    for score, s, i in pages:
+        if score > -math.inf and (before < budget or score == math.inf):
+            taken[s].append(i)
+        before += sizes[s]
+    return [t + [-1] * (x.shape[-1] - len(t)) for t, x in zip(taken, scores, strict=True)]
+
+
+@pytest.mark.parametrize(
+    "widths, sizes, fraction",
+    [((3, 40), (1, 16), 0.125), ((5, 9, 30), (4, 1, 8), 0.3), ((1, 1), (2, 64), 1.0), ((2, 300), (1, 64), 0.125)],
+)
+def test_group_select_kernel_equals_reference_and_one_budget_by_hand(widths, sizes, fraction):
+    scores, n_pages, sizes = _group_inputs(widths=widths, sizes=sizes)
+    ref = quest._group_reference(scores, n_pages, sizes, fraction)
+    assert torch.equal(quest._group_launch(scores, n_pages, sizes, fraction), ref)
+    b, h = scores[0].shape[:2]
+    plans = ref.split([b * h * w for w in widths])
+    for bi in range(b):
+        for hi in range(h):
+            want = _group_by_hand(scores, n_pages, sizes, fraction, bi, hi)
+            assert [p.view(b, h, -1)[bi, hi].tolist() for p in plans] == want
+
+
+def test_group_operator_dispatches_once_and_traces_with_its_fake():
+    scores, n_pages, sizes = _group_inputs()
+    got = torch.ops.pikv.quest_group_select(scores, n_pages, sizes, 0.125)
+    assert torch.equal(got, quest._group_reference(scores, n_pages, sizes, 0.125))
+    torch.library.opcheck(torch.ops.pikv.quest_group_select.default, (scores, n_pages, sizes, 0.125))
+    compiled = torch.compile(
+        lambda s, n: torch.ops.pikv.quest_group_select(s, n, sizes, 0.125), fullgraph=True, backend="aot_eager"
+    )  # fmt: skip
+    assert torch.equal(compiled(scores, n_pages), got)

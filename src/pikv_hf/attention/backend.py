@@ -74,18 +74,21 @@ def fused_decode(
     bias: torch.Tensor,
     scale: float,
     check_empty: bool = True,
+    attended: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token (``query`` ``[B, Hq, 1, D]``) over ``[B, H, C, D]`` keys / values with the additive mask
     ``bias`` (``[B, H, C]``, 0 or ``-inf``) through the CPU flash kernel, the query heads of a KV head as its rows:
     ``o [B, Hq, 1, D]`` float32 and ``lse [B, Hq, 1]``. ``check_empty``: rows with no readable slot get ``lse = -inf``
-    (the kernel returns 0 there); a read that holds the newest token never has one."""
+    (the kernel returns 0 there); a read that holds the newest token never has one. ``attended`` (``[B, H]``, the
+    count of 0 entries of ``bias`` when the caller has it) finds those rows in one operator fewer."""
     b, hq, _, d = query.shape
     h = keys.shape[1]
     qg = query.reshape(b, h, hq // h, d).to(keys.dtype)
     o, lse = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=bias.unsqueeze(2), scale=scale)
     lse = lse.float()
     if check_empty:
-        lse = lse.masked_fill(torch.isneginf(bias).all(-1, keepdim=True), float("-inf"))
+        empty = torch.isneginf(bias).all(-1, keepdim=True) if attended is None else (attended == 0).unsqueeze(-1)
+        lse = lse.masked_fill(empty, float("-inf"))
     return o.float().reshape(b, hq, 1, -1), lse.reshape(b, hq, 1)
 
 
@@ -272,10 +275,11 @@ class TorchBackend:
             near = qpos[-1:].to(torch.int64) - fields["pos"].to(torch.int64) < sliding_window
             keep = near if keep is None else keep & near
         bias = fields["bias"] if keep is None else fields["bias"].masked_fill(~keep, float("-inf"))
-        o, lse = fused_decode(query, keys, values, bias, scale, check_empty=not newest)
+        attended = (bias == 0).sum(-1) if count else None
+        o, lse = fused_decode(query, keys, values, bias, scale, check_empty=not newest, attended=attended)
         if sinks is not None:
             o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
-        return Partial(o, lse, attended=(bias == 0).sum(-1) if count else None)
+        return Partial(o, lse, attended=attended)
 
     def workspace_nbytes(self) -> int:
         """Bytes held by the gather workspace (not part of the stored KV)."""

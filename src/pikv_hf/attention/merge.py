@@ -16,11 +16,14 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     """Merge partials ``(o [..., R, Dv], lse [..., R])`` (rows with no key: ``o = 0``, ``lse = -inf``)."""
     if len(parts) == 1:
         return parts[0]
-    if len(parts) == 2:  # the common case (a hot store and one tier): a few operators fewer
+    if len(parts) == 2:  # the common case (a hot store and one tier, a partial and the sinks)
         (o1, lse1), (o2, lse2) = parts
-        lse = torch.logaddexp(lse1, lse2)
-        m = lse.nan_to_num(neginf=0.0)  # rows with no key in either: weights exp(-inf) = 0, o = 0
-        return torch.exp(lse1 - m).unsqueeze(-1) * o1 + torch.exp(lse2 - m).unsqueeze(-1) * o2, lse
+        same = o1.shape == o2.shape and lse1.shape == lse2.shape == o1.shape[:-1]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (o1, lse1, o2, lse2))
+        if same and not grad and o1.dtype == o2.dtype == lse1.dtype == lse2.dtype == torch.float32:
+            if not torch.compiler.is_compiling():  # one operator (one kernel on CUDA); compiled: fused by inductor
+                return torch.ops.pikv.merge_partials(o1, lse1, o2, lse2)  # registered by pikv_hf.kernels.merge
+        return merge_two_reference(o1, lse1, o2, lse2)
     lse = torch.stack([lse for _, lse in parts])  # [P, ..., R]
     m = lse.amax(0)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -29,6 +32,16 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     o = sum(wi.unsqueeze(-1) * oi for wi, (oi, _) in zip(w, parts, strict=True))
     o = o / total.clamp(min=torch.finfo(torch.float32).tiny).unsqueeze(-1)
     return o, m + torch.log(total)
+
+
+def merge_two_reference(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch merge of two partials ``(o [..., R, Dv], lse [..., R])`` (shapes broadcast): the CPU
+    implementation of ``torch.ops.pikv.merge_partials`` and the code a compiled step traces."""
+    lse = torch.logaddexp(lse1, lse2)
+    m = lse.nan_to_num(neginf=0.0)  # rows with no key in either: weights exp(-inf) = 0, o = 0
+    return torch.exp(lse1 - m).unsqueeze(-1) * o1 + torch.exp(lse2 - m).unsqueeze(-1) * o2, lse
 
 
 def sink_partial(sinks: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

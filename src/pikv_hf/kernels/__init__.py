@@ -8,7 +8,9 @@
   own kernel that dots the codes' nibble halves against the even / odd query channels), with the page layout's torch
   ``quantize_pages`` / ``dequantize_pages``;
 * ``dequant``: quantised pages to dense K/V in one operator (``dequantize``, ``torch.ops.pikv.dequant_pages``);
-* ``quest``: Quest's page scores and page selection (``torch.ops.pikv.quest_scores`` / ``quest_select``);
+* ``merge``: two attention partials merged by log-sum-exp (``torch.ops.pikv.merge_partials``);
+* ``quest``: Quest's page scores and page selection, of one store or one budget over several
+  (``torch.ops.pikv.quest_scores`` / ``quest_select`` / ``quest_group_select``);
 * ``read_stats``: a store's read added to the read counters (``torch.ops.pikv.record_read``);
 * ``append``: one decode token per (row, head) stored, slot assignment included (``torch.ops.pikv.append_one``);
 * ``place_key``, ``route_select``, ``routed_plan``: a routed step's key-cluster placement, shard selection and plan
@@ -21,6 +23,7 @@ from pikv_hf.kernels.decode import decode_attention, decode_attention_reference
 from pikv_hf.kernels.decode_quant import QuantPages, decode_attention_quant, dequantize_pages, quantize_pages
 from pikv_hf.kernels.dequant import dequantize
 from pikv_hf.kernels.gather import gather_pages, gather_pages_reference
+from pikv_hf.kernels.merge import merge_two  # registers torch.ops.pikv.merge_partials
 
 __all__ = [
     "QuantPages",
@@ -31,5 +34,6 @@ __all__ = [
     "dequantize_pages",
     "gather_pages",
     "gather_pages_reference",
+    "merge_two",
     "quantize_pages",
 ]

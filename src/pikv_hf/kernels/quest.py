@@ -19,6 +19,8 @@ Both are torch custom operators (a fake implementation for tracing; CPU: the tor
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pikv_hf.kernels._host import next_power_of_2
@@ -165,3 +167,96 @@ def _quest_select_cpu(*args):
 @quest_select.register_fake
 def _quest_select_fake(score, n_pages, fraction, width):
     return score.new_empty(*score.shape[:2], width, dtype=torch.int64)
+
+
+@jit
+def _group_kernel(
+    score_ptr, n_pages_ptr, off_ptr, size_ptr, out_ptr, W, BH, fraction, NS: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    bh = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    x = tl.load(score_ptr + bh * W + i, mask=i < W, other=float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties with 0.0, as in torch.sort
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integer order of the floats
+    ranked = tl.sort((key.to(tl.int64) << 32) + (2147483647 - i), descending=True)
+    page = 2147483647 - (ranked & 0xFFFFFFFF).to(tl.int32)  # index over the stores' frames, back to back
+    top = (ranked >> 32).to(tl.int32)
+    size = tl.zeros((BLOCK,), tl.int32)
+    slots = tl.zeros((1,), tl.float32)
+    for s in tl.static_range(NS):
+        p_s = tl.load(size_ptr + s)
+        size = tl.where(page >= tl.load(off_ptr + s), p_s, size)
+        slots += (tl.load(n_pages_ptr + s * BH + bh) * p_s).to(tl.float32)
+    before = (tl.cumsum(size, 0) - size).to(tl.float32)  # slots of the pages ranked ahead
+    # the keys of +inf (bits 0x7F800000) and -inf (0xFF800000 ^ 0x7FFFFFFF)
+    chosen = ((before < slots * fraction) | (top == 2139095040)) & (top != -2139095041) & (i < W)
+    for s in tl.static_range(NS):
+        lo = tl.load(off_ptr + s)
+        w_s = tl.load(off_ptr + s + 1) - lo
+        mine = chosen & (page >= lo) & (page < lo + w_s)
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the store's pages keep their order: a prefix of its ranking
+        base = out_ptr + BH * lo + bh * w_s
+        tl.store(base + rank, (page - lo).to(tl.int64), mask=mine)
+        tl.store(base + i, tl.full((BLOCK,), -1, tl.int64), mask=(i >= tl.sum(mine.to(tl.int32), 0)) & (i < w_s))
+
+
+def _group_reference(scores, n_pages, page_sizes, fraction):
+    d = scores[0].device
+    score = torch.cat(scores, -1)  # [B, H, sum of W]
+    size = torch.cat([torch.full((x.shape[-1],), p, device=d) for x, p in zip(scores, page_sizes, strict=True)])
+    slots = sum(n.to(d) * p for n, p in zip(n_pages, page_sizes, strict=True))  # [B, H] slots of every stored page
+    order = score.argsort(dim=-1, descending=True, stable=True)
+    ranked = score.gather(2, order)
+    before = size[order].cumsum(-1) - size[order]  # slots of the pages ranked ahead
+    chosen = ((before < slots.unsqueeze(-1) * fraction) | (ranked == math.inf)) & (ranked > -math.inf)
+    taken = torch.zeros_like(chosen).scatter_(2, order, chosen)
+    plans, start = [], 0
+    for x in scores:
+        w = x.shape[-1]
+        n = taken[..., start : start + w].sum(-1)  # this store's pages lead its own ranking
+        own = x.argsort(dim=-1, descending=True, stable=True)
+        plans.append(torch.where(torch.arange(w, device=d) < n.unsqueeze(-1), own, -1).reshape(-1))
+        start += w
+    return torch.cat(plans)
+
+
+def _group_launch(scores, n_pages, page_sizes, fraction):
+    b, h = scores[0].shape[:2]
+    widths = [x.shape[-1] for x in scores]
+    w = sum(widths)
+    if w > _MAX_SORT or not b * h * w:
+        return _group_reference(scores, n_pages, page_sizes, fraction)
+    d = scores[0].device
+    out = torch.empty(b * h * w, dtype=torch.int64, device=d)
+    off = torch.tensor([sum(widths[:i]) for i in range(len(widths) + 1)], dtype=torch.int32, device=d)
+    size = torch.tensor(page_sizes, dtype=torch.int32, device=d)
+    check_launchable(_group_kernel, d)
+    _group_kernel[(b * h,)](
+        torch.cat(scores, -1).contiguous(), torch.stack(n_pages).contiguous(), off, size, out, w, b * h, fraction,
+        NS=len(scores), BLOCK=max(16, next_power_of_2(w)),
+    )  # fmt: skip
+    return out
+
+
+quest_group_select = torch.library.custom_op(
+    "pikv::quest_group_select", _group_launch, mutates_args=(), device_types="cuda",
+    schema="(Tensor[] scores, Tensor[] n_pages, int[] page_sizes, float fraction) -> Tensor",
+)  # fmt: skip
+quest_group_select.__doc__ = """``torch.ops.pikv.quest_group_select(scores, n_pages, page_sizes, fraction)``: one
+Quest budget over several stores (``scores[s]`` ``[B, H, W_s]`` float32 from ``quest_scores``, ``n_pages[s]``
+``[B, H]`` pages in use, ``page_sizes[s]`` slots per page): pages are taken by descending score over all stores (ties
+to the earlier store, then page) while the slots of the pages ranked ahead stay under ``fraction`` of the slots of
+every stored page, ``+inf`` pages always, ``-inf`` never. -> flat int64 ``[sum_s B * H * W_s]``: store ``s``'s plan
+``[B, H, W_s]`` (its taken pages in its own descending order, ``-1`` after) at offset ``B * H * sum_{r<s} W_r``."""
+
+
+@quest_group_select.register_kernel("cpu")
+def _quest_group_select_cpu(*args):
+    return _group_reference(*args)
+
+
+@quest_group_select.register_fake
+def _quest_group_select_fake(scores, n_pages, page_sizes, fraction):
+    b, h = scores[0].shape[:2]
+    return scores[0].new_empty(b * h * sum(x.shape[-1] for x in scores), dtype=torch.int64)

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-import pikv_hf.kernels.quest  # noqa: F401  (registers torch.ops.pikv.quest_scores / quest_select)
-from pikv_hf.read.plan import ReadPlan, prefix_sum
+import pikv_hf.kernels.quest  # noqa: F401  (registers the pikv.quest_* operators)
+from pikv_hf.read.plan import ReadPlan
 from pikv_hf.read.policy import SparseRead, register
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
@@ -67,22 +67,13 @@ class QuestRead(SparseRead):
         (module docstring): pages are taken in the order of their bounds over all stores while the slots taken
         before them stay under the budget; sink and window pages always."""
         d, stores = group.device, group.stores
-        scores = [self.scores(s, qg, qpos, row_start) for s in stores]
-        score = torch.cat([x.to(d) for x in scores], -1)  # [B, H, sum of W]
-        size = torch.cat([torch.full((s.table.width(),), s.page_size, device=d) for s in stores])  # slots per page
-        slots = sum(s.table.n_pages.to(d) * s.page_size for s in stores)  # [B, H] slots of every stored page
-        order = score.argsort(dim=-1, descending=True, stable=True)
-        ranked = score.gather(2, order)
-        before = prefix_sum(size[order]) - size[order]  # slots of the pages ranked ahead
-        chosen = ((before < slots.unsqueeze(-1) * self.config.read_fraction) | (ranked == math.inf)) & (
-            ranked > -math.inf
+        scores = [self.scores(s, qg, qpos, row_start).to(d) for s in stores]
+        flat = torch.ops.pikv.quest_group_select(
+            scores, [s.table.n_pages.to(d) for s in stores], [s.page_size for s in stores], self.config.read_fraction
         )
-        taken = torch.zeros_like(chosen).scatter_(2, order, chosen)
         plans, start = [], 0
-        for s, x in zip(stores, scores, strict=True):
-            w = x.shape[-1]
-            n = taken[..., start : start + w].sum(-1).to(s.device)  # this store's pages lead its own ranking
-            own = x.argsort(dim=-1, descending=True, stable=True)
-            plans.append(ReadPlan(torch.where(torch.arange(w, device=s.device) < n.unsqueeze(-1), own, -1)))
-            start += w
+        for s, x in zip(stores, scores, strict=True):  # each store's plan: a contiguous [B, H, W] view of the output
+            n = x.numel()
+            plans.append(ReadPlan(flat[start : start + n].view(x.shape).to(s.device)))
+            start += n
         return plans
