@@ -153,3 +153,24 @@ def test_compiled_steps_past_max_cache_len_corrupt_no_other_row():
         cache.reset()  # usable again
         model(ids, attention_mask=mask[:, :8], past_key_values=cache)
         assert cache.get_seq_length() == 8
+
+
+def test_reserved_layer_reads_an_offloaded_tier_sparsely(shipped_sparse_from):
+    """A ``max_cache_len`` cache holding tokens in the offload tier reads them as an eager cache does: sparsely from
+    the first decode step (a dense read would fetch the whole tier every step; the compiled H2O + offload + routed
+    step of bench_e2e read 1.000 of the tokens against eager's 0.70), with the same logits."""
+    from pikv_hf.presses import H2OPress
+
+    model = tiny_model("llama", seed=0)
+    routed = dict(attention="routed", top_k_shards=2, num_shards=4, n_sink=2, window=4)
+    caches = [PiKVCache(model, **routed), PiKVCache(model, max_cache_len=64, **routed)]
+    logits = []
+    with torch.no_grad():
+        for cache in caches:
+            with H2OPress(0.5, offload="cpu")(model):
+                model(prompt(40), past_key_values=cache)
+            logits.append(model(torch.tensor([[7]]), past_key_values=cache).logits)
+    eager, reserved = (c.routing_stats()["overall"]["kv_read_vs_dense"] for c in caches)
+    assert all(layer._sparse_rows() is True for c in caches for layer in c.layers)
+    assert eager == reserved < 0.9
+    assert (logits[0] - logits[1]).abs().max() < 1e-5

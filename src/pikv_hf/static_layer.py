@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.layer import PiKVLayer
+from pikv_hf.store.tiers import OFFLOAD
 
 
 def _traced() -> bool:
@@ -81,8 +82,11 @@ class StaticPiKVLayer(PiKVLayer):
         self._seen_t.fill_(value)
 
     def _sparse_rows(self) -> bool:
-        # the count of tokens seen is a tensor here: the reservation decides, so a compiled step has one branch
-        return self.policy.sparse and self.max_cache_len >= self.read.sparse_threshold
+        # the count of tokens seen is a tensor here: the reservation decides, so a compiled step has one branch; a
+        # layer holding tokens in the offload tier reads sparsely at any length, as an eager one does
+        if not self.policy.sparse:
+            return False
+        return OFFLOAD in self.stores.tiers or self.max_cache_len >= self.read.sparse_threshold
 
     def attend(
         self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
