@@ -16,6 +16,8 @@ from pikv_hf.kernels import place_key as place_mod
 from pikv_hf.kernels import route_select as select_mod
 from pikv_hf.kernels import routed_plan as plan_mod
 from pikv_hf.kernels._triton import interpreted
+from pikv_hf.store.special import EMPTY
+from pikv_hf.store.summary import ShardStats
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -25,21 +27,27 @@ def _runs(kernel) -> bool:
 
 
 def _summary(b, h, g, s, d, seed, empty=0.2):
+    """Query rows and shard statistics as ``ShardStats`` keeps them (key sums, sums of squares, counts)."""
     gen = torch.Generator().manual_seed(seed)
     query = torch.randn(b, h, g, d, generator=gen)
     centroids = torch.randn(b, h, s, d, generator=gen)
     counts = torch.randint(1, 40, (b, h, s), generator=gen)
     counts[torch.rand(b, h, s, generator=gen) < empty] = 0
-    centroids[counts == 0] = 0
-    key_var = torch.rand(b, h, s, d, generator=gen) * (counts > 0).unsqueeze(-1)
     centroids[0, 0, 2] = centroids[0, 0, 5]  # a tie: the lower id ranks first
     counts[0, 0, 2] = counts[0, 0, 5] = 5
-    return [t.to(DEVICE) for t in (query, centroids, counts, key_var)]
+    n = counts.unsqueeze(-1).float()
+    sums = centroids * n
+    squares = (torch.rand(b, h, s, d, generator=gen) + centroids.square()) * n
+    return [t.to(DEVICE) for t in (query, sums, squares, counts)]
 
 
-def _loop_select(query, centroids, counts, key_var, scale, k, target):
-    """The selection from its definition: rows ranked by max_g q.c (stable, empty shards last by id), the shortest
-    prefix of the k best whose float64 Gaussian mass estimate reaches ``target``."""
+def _loop_select(query, sums, squares, counts, scale, k, target):
+    """The selection from its definition: rows ranked by max_g q.c (stable, empty shards last by id) over the
+    shards' summary (``ShardStats.summary``: mean key, per-dimension variance), the shortest prefix of the k best whose
+    float64 Gaussian mass estimate reaches ``target``."""
+    summary = ShardStats(*counts.shape, sums.shape[-1], sums.device)
+    summary.count, summary.sum, summary.sq, summary.min, summary.max = counts, sums, squares, sums, sums
+    centroids, key_var = summary.summary(torch.zeros_like(counts)).centroids, summary.summary(counts).key_var
     b, h, _, _ = query.shape
     s = counts.shape[-1]
     out = torch.zeros(b, h, s, dtype=torch.bool)
@@ -62,9 +70,9 @@ def _loop_select(query, centroids, counts, key_var, scale, k, target):
 
 @pytest.mark.parametrize("k, target", [(64, 0.9), (5, None), (100, 0.5), (1, 0.99)])
 def test_route_select_reference_follows_the_definition(k, target):
-    query, centroids, counts, key_var = _summary(2, 2, 3, 100, 24, seed=k)
-    got = select_mod.route_select_reference(query, centroids, counts, key_var, 0.3, k, -1 if target is None else target)
-    assert torch.equal(got.cpu(), _loop_select(query, centroids, counts, key_var, 0.3, k, target))
+    query, sums, squares, counts = _summary(2, 2, 3, 100, 24, seed=k)
+    got = select_mod.route_select_reference(query, sums, squares, counts, 0.3, k, -1 if target is None else target)
+    assert torch.equal(got.cpu(), _loop_select(query, sums, squares, counts, 0.3, k, target))
     assert int(got.sum()) >= 2 * 2  # at least one shard per (row, head)
 
 
@@ -74,40 +82,64 @@ def test_route_select_reference_follows_the_definition(k, target):
     [(2, 2, 3, 100, 24, 64, 0.97), (1, 3, 4, 256, 64, 64, 0.9), (2, 1, 1, 7, 16, 3, None), (1, 2, 2, 130, 8, 130, 0.5)],
 )
 def test_route_select_kernel_equals_reference(b, h, g, s, d, k, target):
-    query, centroids, counts, key_var = _summary(b, h, g, s, d, seed=s + k)
+    query, sums, squares, counts = _summary(b, h, g, s, d, seed=s + k)
     t = -1.0 if target is None else target
-    want = select_mod.route_select_reference(query, centroids, counts, key_var, d**-0.5, k, t)
-    got = select_mod._launch(query, centroids, counts, key_var if target is not None else None, d**-0.5, k, t)
+    want = select_mod.route_select_reference(query, sums, squares, counts, d**-0.5, k, t)
+    got = select_mod._launch(query, sums, squares if target is not None else None, counts, d**-0.5, k, t)
     assert torch.equal(got, want)
     assert bool((got.sum(-1) <= k).all()) and bool((got.sum(-1) >= 1).all())
 
 
-def _plan_case(b, h, s, w, seed):
+def _plan_case(b, h, s, w, seed, page_size=1):
+    """Chosen shards, the frame's page shards, and special entries (``SpecialSlots``: 2 sinks, then a window of 6)
+    of runs of ``w`` pages starting at random pool pages; the query at position 100 reads the recent entries at
+    positions 95 and later."""
     gen = torch.Generator().manual_seed(seed)
     chosen = torch.rand(b, h, s, generator=gen) < 0.3
     shard = torch.randint(-1, s, (b, h, w), generator=gen, dtype=torch.int32)
-    special = torch.rand(b, h, w, generator=gen) < 0.1
-    return chosen.to(DEVICE), shard.to(DEVICE), special.to(DEVICE)
+    start = torch.randint(0, 50, (b, h), generator=gen) + torch.arange(b * h).view(b, h) * (w + 50)
+    local = torch.randint(0, max(w, 1), (b, h, 8), generator=gen)
+    slots = (start.unsqueeze(-1) + local) * page_size + torch.randint(0, page_size, (b, h, 8), generator=gen)
+    spos = torch.tensor([0, 1, 93, 94, 95, 97, 98, 100]).expand(b, h, 8).clone()
+    slots[..., 1], spos[..., 1] = -1, EMPTY  # a sink not held
+    reach = torch.tensor([2**61] * 2 + [6] * 6)
+    if w == 0:
+        slots.fill_(-1), spos.fill_(EMPTY)
+    qpos = torch.tensor([100])
+    return [t.to(DEVICE) for t in (chosen, shard, slots, spos, reach, qpos, start)] + [page_size]
 
 
 def test_routed_plan_reference_follows_the_definition():
-    chosen, shard, special = _plan_case(2, 3, 9, 50, seed=1)
-    pages, full = plan_mod.routed_plan_reference(chosen, shard, special)
+    case = _plan_case(2, 3, 9, 50, seed=1, page_size=4)
+    chosen, shard, slots, spos, _, _, start, _ = case
+    pages, full, used = plan_mod.routed_plan_reference(*case)
+    longest = 0
     for bi in range(2):
         for hi in range(3):
             sel = [bool(chosen[bi, hi, j]) if j >= 0 else False for j in shard[bi, hi].tolist()]
-            need = [i for i in range(50) if sel[i] or bool(special[bi, hi, i])]
+            read = [e for e in range(8) if e == 0 or (e >= 2 and int(spos[bi, hi, e]) > 100 - 6)]
+            special = {int(slots[bi, hi, e]) // 4 - int(start[bi, hi]) for e in read}
+            need = [i for i in range(50) if sel[i] or i in special]
             assert pages[bi, hi].tolist() == need + [-1] * (50 - len(need))
             assert full[bi, hi].tolist() == [sel[i] for i in need] + [False] * (50 - len(need))
+            longest = max(longest, len(need))
+    assert used.tolist() == [longest]
 
 
 @pytest.mark.skipif(not _runs(plan_mod._routed_plan_kernel), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("b, h, s, w", [(2, 3, 9, 50), (1, 2, 256, 600), (1, 1, 4, 256), (2, 1, 3, 0)])
-def test_routed_plan_kernel_equals_reference(b, h, s, w):
-    chosen, shard, special = _plan_case(b, h, s, w, seed=w)
-    want = plan_mod.routed_plan_reference(chosen, shard, special)
-    got = plan_mod._launch(chosen, shard, special)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+@pytest.mark.parametrize("b, h, s, w, p", [(2, 3, 9, 50, 1), (1, 2, 256, 600, 1), (1, 1, 4, 256, 16), (2, 1, 3, 0, 1)])
+def test_routed_plan_kernel_equals_reference(b, h, s, w, p):
+    case = _plan_case(b, h, s, w, seed=w, page_size=p)
+    want = plan_mod.routed_plan_reference(*case)
+    got = plan_mod._launch(*case)
+    assert all(torch.equal(g, t) for g, t in zip(got, want, strict=True))
+
+
+def test_routed_operators_pass_opcheck():
+    torch.library.opcheck(torch.ops.pikv.routed_plan.default, tuple(_plan_case(2, 3, 9, 50, seed=1, page_size=4)))
+    query, sums, squares, counts = _summary(2, 2, 3, 100, 24, seed=0)
+    torch.library.opcheck(torch.ops.pikv.route_select.default, (query, sums, squares, counts, 0.3, 8, 0.9))
+    torch.library.opcheck(torch.ops.pikv.route_select.default, (query, sums, None, counts, 0.3, 8, -1.0))
 
 
 def _place_case(b, h, s, d, seed):
@@ -149,16 +181,23 @@ def test_place_key_kernel_equals_reference(b, h, s, d):
 
 
 def test_operators_check_their_arguments():
-    query, centroids, counts, key_var = _summary(1, 1, 2, 8, 4, seed=0)
+    query, sums, squares, counts = _summary(1, 1, 2, 8, 4, seed=0)
     with pytest.raises(ValueError, match="top_k_shards"):
-        select_mod.route_select(query, centroids, counts, key_var, 0.5, 9, None)
-    with pytest.raises(ValueError, match="key_var"):
-        select_mod.route_select(query, centroids, counts, None, 0.5, 2, 0.9)
+        select_mod.route_select(query, sums, squares, counts, 0.5, 9, None)
+    with pytest.raises(ValueError, match="squares"):
+        select_mod.route_select(query, sums, None, counts, 0.5, 2, 0.9)
+    with pytest.raises(ValueError, match="sums must be float32"):
+        select_mod.route_select(query, sums.double(), squares, counts, 0.5, 2, 0.9)
     keys, c, n, norms = _place_case(1, 1, 4, 4, seed=0)
     with pytest.raises(ValueError, match="counts"):
         place_mod.place_key(keys, c, n.int(), norms)
-    with pytest.raises(ValueError, match="special"):
-        plan_mod.routed_plan(torch.zeros(1, 1, 3, dtype=torch.bool), torch.zeros(1, 1, 5), torch.zeros(1, 1, 4))
+    chosen, shard, slots, spos, reach, qpos, start, p = _plan_case(1, 1, 3, 5, seed=0)
+    with pytest.raises(ValueError, match="chosen"):
+        plan_mod.routed_plan(chosen.int(), shard, slots, spos, reach, qpos, start, p)
+    with pytest.raises(ValueError, match="spos"):
+        plan_mod.routed_plan(chosen, shard, slots, spos[..., :3], reach, qpos, start, p)
+    with pytest.raises(ValueError, match="reach"):
+        plan_mod.routed_plan(chosen, shard, slots, spos, reach.int(), qpos, start, p)
 
 
 _COMPILE_SM90 = """
@@ -176,12 +215,13 @@ def build(fn, types, const):
 f32 = "*fp32"
 for mass in (True, False):
     build(route_select._route_select_kernel,
-          dict(q_ptr="*bf16", c_ptr=f32, var_ptr=f32, n_ptr="*i64", score_ptr=f32, logit_ptr=f32, out_ptr="*u8",
+          dict(q_ptr="*bf16", sum_ptr=f32, sq_ptr=f32, n_ptr="*i64", score_ptr=f32, logit_ptr=f32, out_ptr="*u8",
                S="i32", k="i32", target="fp32", scale="fp32"),
           dict(G=4, D=128, BLOCK_G=4, BLOCK_S=64, BLOCK_D=32, HAS_MASS=mass))
 build(routed_plan._routed_plan_kernel,
-      dict(chosen_ptr="*u8", shard_ptr="*i32", special_ptr="*u8", pages_ptr="*i64", full_ptr="*u8", S="i32", W="i32"),
-      dict(BLOCK_W=256))
+      dict(chosen_ptr="*u8", shard_ptr="*i32", slot_ptr="*i64", spos_ptr="*i64", reach_ptr="*i64", qpos_ptr="*i64",
+           start_ptr="*i64", pages_ptr="*i64", full_ptr="*u8", used_ptr="*i32", S="i32", W="i32", NS="i32", P="i32"),
+      dict(BLOCK_W=128, BLOCK_NS=128))
 build(place_key._place_key_kernel,
       dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64", S="i32"),
       dict(D=128, BLOCK_S=64, BLOCK_D=128))

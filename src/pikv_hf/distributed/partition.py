@@ -104,6 +104,10 @@ class PartitionedStore:
     def keep_summaries(self) -> None:
         """The statistics of every shard are always kept here (the selection is global)."""
 
+    def shard_stats(self) -> ShardStats:
+        """The key statistics of every shard of the layer (the same on every rank)."""
+        return self.stats
+
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The summaries of every shard of the layer (the same on every rank)."""
         return self.stats.summary(misses)

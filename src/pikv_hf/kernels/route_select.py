@@ -1,7 +1,9 @@
 """Routed shard selection of one decode step as one kernel: centroid scores, top-k and the mass target (top-p)
 -> the mask of the shards a (row, KV head) reads.
 
-Program ``b * H + h`` (one per row and KV head):
+Program ``b * H + h`` (one per row and KV head) reads the shard statistics as kept (``pikv_hf.store.summary``:
+per-shard key sums, squares and counts) and divides them itself (centroid ``sum / n``, variance ``sq / n -
+centroid^2`` clamped at 0, as ``ShardStats.summary`` computes them):
 
 1. over blocks of shards, the products ``q_g . c_s`` of the ``G`` query rows with every centroid, the score
    ``max_g q_g . c_s`` (``-inf`` for an empty shard) and, with a mass target, the logits of
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from pikv_hf.kernels._host import next_power_of_2
 from pikv_hf.kernels._triton import check_launchable, jit, tl
 from pikv_hf.routing.scores import mass_of_dots, scores_of_dots
+from pikv_hf.store.summary import shard_moments
 
 _BLOCK_S = 64  # shards per block of either pass
 _BLOCK_D = 32  # key dims per step of the products
@@ -32,7 +35,7 @@ _BLOCK_D = 32  # key dims per step of the products
 
 @jit
 def _route_select_kernel(
-    q_ptr, c_ptr, var_ptr, n_ptr, score_ptr, logit_ptr, out_ptr, S, k, target, scale,
+    q_ptr, sum_ptr, sq_ptr, n_ptr, score_ptr, logit_ptr, out_ptr, S, k, target, scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_MASS: tl.constexpr,
 ):  # fmt: skip
@@ -44,6 +47,8 @@ def _route_select_kernel(
     for s0 in range(0, S, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         s_ok = ss < S
+        n = tl.load(n_ptr + r * S + ss, mask=s_ok, other=0)
+        n_div = tl.maximum(n, 1).to(tl.float32)[:, None]  # an empty shard's zero sums stay zero
         dots = tl.zeros([BLOCK_G, BLOCK_S], tl.float32)
         spread = tl.zeros([BLOCK_G, BLOCK_S], tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -53,12 +58,11 @@ def _route_select_kernel(
             q = tl.load(q_at, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             at = r * S * D + ss[:, None] * D + ds[None, :]
             cd_ok = s_ok[:, None] & d_ok[None, :]
-            c = tl.load(c_ptr + at, mask=cd_ok, other=0.0)
+            c = tl.load(sum_ptr + at, mask=cd_ok, other=0.0) / n_div
             dots += tl.sum(q[:, None, :] * c[None, :, :], 2)
             if HAS_MASS:
-                v = tl.load(var_ptr + at, mask=cd_ok, other=0.0)
+                v = tl.maximum(tl.load(sq_ptr + at, mask=cd_ok, other=0.0) / n_div - c * c, 0.0)
                 spread += tl.sum((q * q)[:, None, :] * v[None, :, :], 2)
-        n = tl.load(n_ptr + r * S + ss, mask=s_ok, other=0)
         score = tl.max(tl.where(g_ok[:, None], dots, float("-inf")), 0)
         tl.store(score_ptr + r * S + ss, tl.where(n == 0, float("-inf"), score), mask=s_ok)
         if HAS_MASS:
@@ -102,26 +106,25 @@ def _route_select_kernel(
 
 def route_select_reference(
     query: torch.Tensor,
-    centroids: torch.Tensor,
+    sums: torch.Tensor,
+    squares: torch.Tensor | None,
     counts: torch.Tensor,
-    key_var: torch.Tensor | None,
     scale: float,
     k: int,
     mass_target: float,
 ) -> torch.Tensor:
     """Torch reference of ``torch.ops.pikv.route_select`` (the selection ``RoutedRead`` makes with the top-k
-    centroid selector).
+    centroid selector, on the summary ``ShardStats.summary`` builds from the same statistics).
 
     Parameters
     ----------
     query : torch.Tensor
         ``[B, H, G, D]`` query rows of each KV head.
-    centroids : torch.Tensor
-        ``[B, H, S, D]`` float32 mean key of every shard.
+    sums, squares : torch.Tensor
+        ``[B, H, S, D]`` float32 sum and sum of squares of every shard's keys (``squares`` may be None without a
+        mass target).
     counts : torch.Tensor
         ``[B, H, S]`` int64 tokens per shard (0: empty, scored ``-inf``).
-    key_var : torch.Tensor or None
-        ``[B, H, S, D]`` float32 per-dimension key variance; needed with a mass target.
     scale : float
         Softmax scale of the attention.
     k : int
@@ -134,6 +137,7 @@ def route_select_reference(
     torch.Tensor
         ``[B, H, S]`` bool, True for the shards read.
     """
+    centroids, key_var = shard_moments(sums, squares if mass_target >= 0 else None, counts)
     dots = query.float() @ centroids.float().transpose(-1, -2)
     selected = scores_of_dots(dots, counts).argsort(dim=-1, descending=True, stable=True)[..., :k]
     if mass_target < 0:
@@ -146,9 +150,9 @@ def route_select_reference(
 
 def _launch(
     query: torch.Tensor,
-    centroids: torch.Tensor,
+    sums: torch.Tensor,
+    squares: torch.Tensor | None,
     counts: torch.Tensor,
-    key_var: torch.Tensor | None,
     scale: float,
     k: int,
     mass_target: float,
@@ -164,10 +168,10 @@ def _launch(
     has_mass = mass_target >= 0
     scores = torch.empty(b * h, s, dtype=torch.float32, device=dev)
     logits = torch.empty(b * h, g, s, dtype=torch.float32, device=dev) if has_mass else scores
-    q, c, n = query.contiguous(), centroids.contiguous(), counts.contiguous()
-    var = key_var.contiguous() if has_mass else c
+    q, total, n = query.contiguous(), sums.contiguous(), counts.contiguous()
+    square = squares.contiguous() if has_mass else total
     _route_select_kernel[(b * h,)](
-        q, c, var, n, scores, logits, out.view(torch.uint8), s, k, float(mass_target), float(scale),
+        q, total, square, n, scores, logits, out.view(torch.uint8), s, k, float(mass_target), float(scale),
         G=g, D=d, BLOCK_G=next_power_of_2(g), BLOCK_S=_BLOCK_S, BLOCK_D=min(_BLOCK_D, next_power_of_2(d)),
         HAS_MASS=has_mass,
     )  # fmt: skip
@@ -176,39 +180,43 @@ def _launch(
 
 route_select_op = torch.library.custom_op(
     "pikv::route_select", _launch, mutates_args=(), device_types="cuda",
-    schema="(Tensor query, Tensor centroids, Tensor counts, Tensor? key_var, float scale, int k, float mass_target) "
+    schema="(Tensor query, Tensor sums, Tensor? squares, Tensor counts, float scale, int k, float mass_target) "
     "-> Tensor",
 )  # fmt: skip
 
 
 @route_select_op.register_kernel("cpu")
-def _route_select_cpu(query, centroids, counts, key_var, scale, k, mass_target):
-    return route_select_reference(query, centroids, counts, key_var, scale, k, mass_target)
+def _route_select_cpu(query, sums, squares, counts, scale, k, mass_target):
+    return route_select_reference(query, sums, squares, counts, scale, k, mass_target)
 
 
 @route_select_op.register_fake
-def _route_select_fake(query, centroids, counts, key_var, scale, k, mass_target):
+def _route_select_fake(query, sums, squares, counts, scale, k, mass_target):
     return counts.new_empty(counts.shape, dtype=torch.bool)
 
 
 def route_select(
     query: torch.Tensor,
-    centroids: torch.Tensor,
+    sums: torch.Tensor,
+    squares: torch.Tensor | None,
     counts: torch.Tensor,
-    key_var: torch.Tensor | None,
     scale: float,
     k: int,
     mass_target: float | None,
 ) -> torch.Tensor:
     """``[B, H, S]`` bool: the shards each (row, KV head) reads (arguments of :func:`route_select_reference`;
     ``mass_target`` None: the ``k`` best), one operator (one kernel on CUDA). Checks shapes only (no host read)."""
+    if query.dim() != 4 or counts.dim() != 3:
+        raise ValueError(f"query must be [B, H, G, D], counts [B, H, S]; got {list(query.shape)}, {list(counts.shape)}")
     b, h, _, d = query.shape
     s = counts.shape[-1]
-    if tuple(centroids.shape) != (b, h, s, d):
-        raise ValueError(f"centroids must be [B={b}, H={h}, S={s}, D={d}]; got {list(centroids.shape)}")
+    for name, t in (("sums", sums), ("squares", squares)):
+        if t is not None and (tuple(t.shape) != (b, h, s, d) or t.dtype != torch.float32):
+            raise ValueError(f"{name} must be float32 [B={b}, H={h}, S={s}, D={d}]; got {t.dtype} {list(t.shape)}")
     if not 1 <= k <= s:
         raise ValueError(f"k (top_k_shards) must be in [1, {s}]; got {k}")
-    if mass_target is not None and key_var is None:
-        raise ValueError("key_var is required with a mass_target")
+    if mass_target is not None and squares is None:
+        raise ValueError("squares (the shards' key sums of squares) are required with a mass_target")
     target = -1.0 if mass_target is None else float(mass_target)
-    return route_select_op(query, centroids, counts, key_var, float(scale), int(k), target)
+    return route_select_op(query, sums, squares if mass_target is not None else None, counts, float(scale), int(k),
+                           target)  # fmt: skip

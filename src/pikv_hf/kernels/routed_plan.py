@@ -1,12 +1,14 @@
 """The plan of a routed read as one kernel: the frame pages of the selected shards and the always-read (sink /
 recent) pages, compacted to the front of each (row, KV head)'s plan.
 
-Program ``b * H + h`` walks the frame in blocks: a page is *full* when its shard is selected, *needed* when full
-or special; a block's needed pages go to ``carry + prefix sum - 1`` (the prefix sum within the block, ``carry`` the
-needed pages of the blocks before), then the rest of the plan is ``-1``. Output ``pages`` (``[B, H, W]`` local page
-indices, ``-1`` padded, as ``pikv_hf.read.plan.compact``) and ``page_full`` (``[B, H, W]`` bool, True for a
-selected shard's page). The operator is ``torch.ops.pikv.routed_plan`` (the torch reference on the CPU, a fake
-implementation for tracing); it reads no value back to the host.
+Program ``b * H + h`` first finds the frame pages of the row's special entries still read (the store's sink and
+recent-window slots, ``pikv_hf.store.special``), then walks the frame in blocks: a page is *full* when its shard is
+selected, *needed* when full or special; a block's needed pages go to ``carry + prefix sum - 1`` (the prefix sum
+within the block, ``carry`` the needed pages of the blocks before), then the rest of the plan is ``-1``. Output
+``pages`` (``[B, H, W]`` local page indices, ``-1`` padded, as ``pikv_hf.read.plan.compact``), ``page_full``
+(``[B, H, W]`` bool, True for a selected shard's page) and ``used`` (``[1]``, the longest row's pages, an atomic
+max over the programs: the CPU path trims the plan's padding to it). The operator is ``torch.ops.pikv.routed_plan``
+(the torch reference on the CPU, a fake implementation for tracing); it reads no value back to the host.
 """
 
 from __future__ import annotations
@@ -14,26 +16,41 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pikv_hf.kernels._host import next_power_of_2
 from pikv_hf.kernels._triton import check_launchable, jit, tl
 from pikv_hf.read.plan import compact
+from pikv_hf.store.special import special_page_mask
 
-_BLOCK_W = 256  # frame pages per step
+_BLOCK_W = 128  # frame pages per step
 
 
 @jit
-def _routed_plan_kernel(chosen_ptr, shard_ptr, special_ptr, pages_ptr, full_ptr, S, W, BLOCK_W: tl.constexpr):
+def _routed_plan_kernel(
+    chosen_ptr, shard_ptr, slot_ptr, spos_ptr, reach_ptr, qpos_ptr, start_ptr, pages_ptr, full_ptr, used_ptr, S, W,
+    NS, P,
+    BLOCK_W: tl.constexpr, BLOCK_NS: tl.constexpr,
+):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
+    # the frame page of each special entry a query at qpos still reads (a sink, or a recent token within the window)
+    e = tl.arange(0, BLOCK_NS)
+    e_ok = e < NS
+    slot = tl.load(slot_ptr + r * NS + e, mask=e_ok, other=-1)
+    spos = tl.load(spos_ptr + r * NS + e, mask=e_ok, other=0)
+    read = e_ok & (slot >= 0) & (spos > tl.load(qpos_ptr).to(tl.int64) - tl.load(reach_ptr + e, mask=e_ok, other=0))
+    at_special = tl.where(read, slot // P - tl.load(start_ptr + r), -1)
     carry = tl.sum(tl.zeros([BLOCK_W], tl.int32), 0)
     for w0 in range(0, W, BLOCK_W):
         ws = w0 + tl.arange(0, BLOCK_W)
         w_ok = ws < W
         shard = tl.load(shard_ptr + r * W + ws, mask=w_ok, other=-1).to(tl.int64)
         full = tl.load(chosen_ptr + r * S + shard, mask=w_ok & (shard >= 0), other=0) != 0
-        need = (full | (tl.load(special_ptr + r * W + ws, mask=w_ok, other=0) != 0)) & w_ok
+        special = tl.max((at_special[None, :] == ws[:, None]).to(tl.int32), 1) > 0
+        need = (full | special) & w_ok
         at = carry + tl.cumsum(need.to(tl.int32), 0) - 1
         tl.store(pages_ptr + r * W + at, ws.to(tl.int64), mask=need)
         tl.store(full_ptr + r * W + at, full.to(tl.uint8), mask=need)
         carry += tl.sum(need.to(tl.int32), 0)
+    tl.atomic_max(used_ptr, carry)
     for w0 in range(0, W, BLOCK_W):
         ws = w0 + tl.arange(0, BLOCK_W)
         rest = (ws >= carry) & (ws < W)
@@ -42,8 +59,15 @@ def _routed_plan_kernel(chosen_ptr, shard_ptr, special_ptr, pages_ptr, full_ptr,
 
 
 def routed_plan_reference(
-    chosen: torch.Tensor, shard: torch.Tensor, special: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+    chosen: torch.Tensor,
+    shard: torch.Tensor,
+    slots: torch.Tensor,
+    spos: torch.Tensor,
+    reach: torch.Tensor,
+    qpos: torch.Tensor,
+    start: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Torch reference of ``torch.ops.pikv.routed_plan``.
 
     Parameters
@@ -52,59 +76,97 @@ def routed_plan_reference(
         ``[B, H, S]`` bool, the selected shards.
     shard : torch.Tensor
         ``[B, H, W]`` integer shard of every frame page (``-1``: unused page).
-    special : torch.Tensor
-        ``[B, H, W]`` bool, pages always read (sinks, recent window).
+    slots, spos : torch.Tensor
+        ``[B, H, E]`` int64 flat pool slots (``-1``: none) and positions of the row's sink and recent-window tokens
+        (``pikv_hf.store.special.SpecialSlots``); their pages are always read.
+    reach : torch.Tensor
+        ``[E]`` int64: how far before the query each entry may lie and still be read.
+    qpos : torch.Tensor
+        ``[1]`` position of the query.
+    start : torch.Tensor
+        ``[B, H]`` int64 first pool page of each (row, head)'s run (``PageTable.start``).
+    page_size : int
+        Slots per page.
 
     Returns
     -------
     tuple of torch.Tensor
-        ``pages`` ``[B, H, W]`` int64 local indices of the needed pages in frame order, ``-1`` padded, and
-        ``page_full`` ``[B, H, W]`` bool, True for the entries that are pages of a selected shard.
+        ``pages`` ``[B, H, W]`` int64 local indices of the needed pages (a selected shard's, or one holding a special
+        entry still read) in frame order, ``-1`` padded; ``page_full`` ``[B, H, W]`` bool, True for the entries
+        that are pages of a selected shard; ``used`` ``[1]`` int32, the needed pages of the row that has most (its
+        plan entries past it are padding in every row).
     """
-    s = chosen.shape[-1]
+    s, w = chosen.shape[-1], shard.shape[-1]
+    special = special_page_mask(slots, spos, reach, qpos, start, w, page_size)
     full = F.pad(chosen, (0, 1)).gather(2, shard.long() % (s + 1))  # an unused page (-1) reads column S: False
-    pages = compact(full | special, shard.shape[-1])
-    return pages, full.gather(2, pages.clamp(min=0)) & (pages >= 0)
+    need = full | special
+    pages = compact(need, w)
+    used = need.sum(-1, dtype=torch.int32).amax().reshape(1) if need.numel() else need.new_zeros(1, dtype=torch.int32)
+    return pages, full.gather(2, pages.clamp(min=0)) & (pages >= 0), used
 
 
-def _launch(chosen: torch.Tensor, shard: torch.Tensor, special: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(chosen, shard, slots, spos, reach, qpos, start, page_size):
     """The kernel (the operator's CUDA implementation; also CPU under ``TRITON_INTERPRET``)."""
     b, h, w = shard.shape
     dev = shard.device
     pages = torch.empty(b, h, w, dtype=torch.int64, device=dev)
     full = torch.empty(b, h, w, dtype=torch.bool, device=dev)
+    used = torch.zeros(1, dtype=torch.int32, device=dev)
     if b * h * w == 0:
-        return pages, full
+        return pages, full, used
     check_launchable(_routed_plan_kernel, dev)
+    ns = slots.shape[-1]
     _routed_plan_kernel[(b * h,)](
-        chosen.contiguous().view(torch.uint8), shard.contiguous(), special.contiguous().view(torch.uint8), pages,
-        full.view(torch.uint8), chosen.shape[-1], w, BLOCK_W=_BLOCK_W,
+        chosen.contiguous().view(torch.uint8), shard.contiguous(), slots.contiguous(), spos.contiguous(),
+        reach.contiguous(), qpos, start.contiguous(), pages, full.view(torch.uint8), used, chosen.shape[-1], w, ns,
+        page_size, BLOCK_W=_BLOCK_W, BLOCK_NS=max(16, next_power_of_2(ns)),
     )  # fmt: skip
-    return pages, full
+    return pages, full, used
 
 
 routed_plan_op = torch.library.custom_op(
     "pikv::routed_plan", _launch, mutates_args=(), device_types="cuda",
-    schema="(Tensor chosen, Tensor shard, Tensor special) -> (Tensor, Tensor)",
+    schema="(Tensor chosen, Tensor shard, Tensor slots, Tensor spos, Tensor reach, Tensor qpos, Tensor start, "
+    "int page_size) -> (Tensor, Tensor, Tensor)",
 )  # fmt: skip
 
 
 @routed_plan_op.register_kernel("cpu")
-def _routed_plan_cpu(chosen, shard, special):
-    return routed_plan_reference(chosen, shard, special)
+def _routed_plan_cpu(*args):
+    pages, full, used = routed_plan_reference(*args)  # pages: a view past a scratch column; returned as its own
+    return pages.clone(memory_format=torch.contiguous_format), full, used
 
 
 @routed_plan_op.register_fake
-def _routed_plan_fake(chosen, shard, special):
-    return shard.new_empty(shard.shape, dtype=torch.int64), shard.new_empty(shard.shape, dtype=torch.bool)
+def _routed_plan_fake(chosen, shard, *rest):
+    return (
+        shard.new_empty(shard.shape, dtype=torch.int64), shard.new_empty(shard.shape, dtype=torch.bool),
+        shard.new_empty(1, dtype=torch.int32),
+    )  # fmt: skip
 
 
-def routed_plan(chosen: torch.Tensor, shard: torch.Tensor, special: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pages, page_full)`` of a routed read (arguments and results of :func:`routed_plan_reference`), one operator
-    (one kernel on CUDA). Checks shapes only (no host read)."""
+def routed_plan(
+    chosen: torch.Tensor,
+    shard: torch.Tensor,
+    slots: torch.Tensor,
+    spos: torch.Tensor,
+    reach: torch.Tensor,
+    qpos: torch.Tensor,
+    start: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pages, page_full, used)`` of a routed read (arguments and results of :func:`routed_plan_reference`), one
+    operator (one kernel on CUDA). Checks shapes only (no host read)."""
     b, h, w = shard.shape
     if chosen.dim() != 3 or tuple(chosen.shape[:2]) != (b, h) or chosen.dtype != torch.bool:
         raise ValueError(f"chosen must be bool [B={b}, H={h}, S]; got {chosen.dtype} {list(chosen.shape)}")
-    if tuple(special.shape) != (b, h, w) or special.dtype != torch.bool:
-        raise ValueError(f"special must be bool [B={b}, H={h}, W={w}]; got {special.dtype} {list(special.shape)}")
-    return routed_plan_op(chosen, shard, special)
+    e = slots.shape[-1]
+    for name, t, shape in (("slots", slots, (b, h, e)), ("spos", spos, (b, h, e)), ("reach", reach, (e,)),
+                           ("start", start, (b, h))):  # fmt: skip
+        if tuple(t.shape) != shape or t.dtype != torch.int64:
+            raise ValueError(f"{name} must be int64 {list(shape)}; got {t.dtype} {list(t.shape)}")
+    if qpos.numel() != 1:
+        raise ValueError(f"qpos must hold one position; got shape {list(qpos.shape)}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1; got {page_size}")
+    return routed_plan_op(chosen, shard, slots, spos, reach, qpos.reshape(1), start, int(page_size))

@@ -13,9 +13,7 @@ import torch
 
 from pikv_hf.config import ReadConfig
 from pikv_hf.read.plan import ReadPlan
-from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
-from pikv_hf.store.special import special_page_mask
 
 POLICIES: dict[str, type[ExactRead]] = {}
 
@@ -74,17 +72,6 @@ class SparseRead(ExactRead):
     def prepare(self, group: StoreGroup, row_start: torch.Tensor) -> None:
         for store in group.stores:
             store.special_slots(self.config.n_sink, self.config.window, row_start.to(store.device))
-
-
-def special_pages(
-    store: PagedStore, qpos: torch.Tensor, n_sink: int, window: int, row_start: torch.Tensor
-) -> torch.Tensor:
-    """``[B, H, W]`` bool: frame pages holding a valid sink or recent-window token (always read), from the slots the
-    store keeps of them (no scan of the frame)."""
-    marks = store.special_slots(n_sink, window, row_start)
-    return special_page_mask(
-        marks.slots, marks.pos, marks.reach, qpos, store.table.start, store.table.width(), store.page_size
-    )
 
 
 def make_policy(config: ReadConfig, layer_idx: int) -> ExactRead:

@@ -14,9 +14,9 @@ from pikv_hf.config import ReadConfig
 from pikv_hf.kernels.route_select import route_select
 from pikv_hf.kernels.routed_plan import routed_plan
 from pikv_hf.read.plan import ReadPlan
-from pikv_hf.read.policy import SparseRead, register, special_pages
+from pikv_hf.read.policy import SparseRead, register
 from pikv_hf.routing import Selector, make_selector
-from pikv_hf.routing.base import ShardSummary, check_select_args
+from pikv_hf.routing.base import ShardSummary
 from pikv_hf.routing.scores import estimated_mass
 from pikv_hf.routing.topk import TopKSelector
 from pikv_hf.store import PagedStore
@@ -56,18 +56,16 @@ class RoutedRead(SparseRead):
     def chosen(self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float) -> torch.Tensor:
         """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) read, as :meth:`choose` selects
         them. The top-k centroid selector, which neither counts misses nor learns, selects in one operator
-        (``pikv_hf.kernels.route_select``)."""
+        (``pikv_hf.kernels.route_select``) from the kept key sums of a layer held by one store."""
         plain = type(self.selector) is TopKSelector and self.selector.score == "centroid"
-        if not plain or self.learns():
+        stores = store.stores if isinstance(store, StoreGroup) else [store]
+        if not plain or self.learns() or len(stores) != 1:  # tiers: their summaries combine (StoreGroup.summary)
             selected, keep = self.choose(store, qg, scale)
             b, h, s = store.batch, store.heads, store.num_shards
             return torch.zeros(b, h, s, dtype=torch.bool, device=selected.device).scatter_(2, selected, keep)
-        summary = self._summary(store)
-        check_select_args(qg, summary, self.config.top_k_shards)
-        key_var = summary.key_var if self.config.mass_target is not None else None
-        return route_select(
-            qg, summary.centroids, summary.counts, key_var, scale, self.config.top_k_shards, self.config.mass_target
-        )
+        stats = stores[0].shard_stats()
+        sums, squares = stats.key_stats()[:2]
+        return route_select(qg, sums, squares, stats.count, scale, self.config.top_k_shards, self.config.mass_target)
 
     def _summary(self, store: PagedStore | StoreGroup) -> ShardSummary:
         b, h, s = store.batch, store.heads, store.num_shards
@@ -108,11 +106,13 @@ class RoutedRead(SparseRead):
         holding the row's sink and recent-window tokens (of those, only the sink / recent tokens count), compacted in
         one operator (``pikv_hf.kernels.routed_plan``)."""
         cfg = self.config
-        special = special_pages(store, qpos, cfg.n_sink, cfg.window, row_start)
-        pages, page_full = routed_plan(chosen, store.frame("shard"), special)
+        marks = store.special_slots(cfg.n_sink, cfg.window, row_start)
+        pages, page_full, used = routed_plan(
+            chosen, store.frame("shard"), marks.slots, marks.pos, marks.reach, qpos, store.table.start, store.page_size
+        )
         if store.page_size == 1:  # a sink or window page holds just that token: every planned page is read whole
-            return ReadPlan(pages)
-        return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start)
+            return ReadPlan(pages, used=used)
+        return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start, used)
 
     def learns(self) -> bool:
         return type(self.selector).update is not Selector.update

@@ -479,13 +479,17 @@ class PagedStore:
         """Whether shard key statistics are kept (from the first :meth:`summary` or :meth:`keep_summaries` on)."""
         return self._summarised
 
-    def summary(self, misses: torch.Tensor) -> ShardSummary:
-        """The shard summaries a selector reads (kept from the first call on, see :meth:`keep_summaries`; the sums
-        recounted first after an eviction re-packed the pages)."""
+    def shard_stats(self) -> ShardStats:
+        """The per-shard key statistics (kept from the first call on, see :meth:`keep_summaries`; the sums recounted
+        first after an eviction re-packed the pages)."""
         self.keep_summaries()
         if self._sums_stale:
             self._recount(bounds=self._bounds_stale)
-        return self.stats.summary(misses)
+        return self.stats
+
+    def summary(self, misses: torch.Tensor) -> ShardSummary:
+        """The shard summaries a selector reads, from :meth:`shard_stats`."""
+        return self.shard_stats().summary(misses)
 
     def tokens_per_shard(self) -> torch.Tensor:
         """``[B, H, S]`` valid tokens held by each shard."""

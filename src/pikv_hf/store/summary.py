@@ -84,8 +84,7 @@ class ShardStats:
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The shards as a selector sees them (every shard is resident: no offload tier yet)."""
         self._keep_keys()
-        n = self.count.clamp(min=1).unsqueeze(-1)
-        centroids = self.sum / n
+        centroids, key_var = shard_moments(self.sum, self.sq, self.count)
         if torch.compiler.is_compiling():  # a compiled step changes no attribute dynamo guards on
             resident = torch.ones_like(self.count, dtype=torch.bool)
         else:
@@ -99,9 +98,21 @@ class ShardStats:
             key_max=self.max,
             resident=resident,
             misses=misses,
-            key_var=torch.addcmul(self.sq / n, centroids, centroids, value=-1).clamp_(min=0),
+            key_var=key_var,
         )
 
     def nbytes(self) -> int:
         held = (self.count, *(getattr(self, name) for name in self._KEY_STATS))
         return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+
+def shard_moments(
+    sums: torch.Tensor, squares: torch.Tensor | None, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mean key (``[B, H, S, D]``, zeros for an empty shard) and per-dimension variance (clamped at 0; None without
+    ``squares``) of shards with key ``sums`` / ``squares`` (``[B, H, S, D]`` float32) and ``counts`` (``[B, H, S]``)."""
+    n = counts.clamp(min=1).unsqueeze(-1)
+    centroids = sums / n
+    if squares is None:
+        return centroids, None
+    return centroids, torch.addcmul(squares / n, centroids, centroids, value=-1).clamp_(min=0)

@@ -1,0 +1,70 @@
+"""The CPU torch path trims a routed plan (as wide as the frame) to the entries its operator counted in use
+(``ReadPlan.used``, no operator and one value read back) and reads the same as the untrimmed plan; a Quest plan, as
+wide as its budget, carries no count and is read as planned."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pikv_hf import PiKVCache
+from pikv_hf.attention.backend import TorchBackend, trimmed
+from pikv_hf.tiny import tiny_config
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import count_ops  # noqa: E402
+
+B, H, G, T, D = 2, 2, 3, 90, 16
+
+
+def _decode_plan(monkeypatch, **kwargs):
+    """One decode step of a layer-0 cache of ``T`` random tokens: the (backend, arguments) of its sparse attend."""
+    gen = torch.Generator().manual_seed(0)
+    cache = PiKVCache(tiny_config("llama", num_attention_heads=H * G, num_key_value_heads=H, head_dim=D), **kwargs)
+    keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
+    cache.update(keys[:, :, :T], values[:, :, :T], 0)
+    cache.update(keys[:, :, T:], values[:, :, T:], 0)
+    seen = []
+    real = TorchBackend.attend
+
+    def spy(self, query, store, plan, *args, **kw):
+        seen.append((self, query, store, plan, args, kw))
+        return real(self, query, store, plan, *args, **kw)
+
+    monkeypatch.setattr(TorchBackend, "attend", spy)
+    cache.layers[0].attend(torch.randn(B, H * G, 1, D, generator=gen), D**-0.5, None, None)
+    monkeypatch.setattr(TorchBackend, "attend", real)
+    return seen[-1]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_routed_plan_is_trimmed_to_its_count_and_reads_the_same(monkeypatch, page_size):
+    backend, query, store, plan, args, kw = _decode_plan(
+        monkeypatch, router="key_cluster", num_shards=8, attention="routed", top_k_shards=2, n_sink=2, window=4,
+        page_size=page_size,
+    )  # fmt: skip
+    used = int((plan.pages >= 0).sum(-1).max())
+    assert plan.used.tolist() == [used] and used < plan.pages.shape[-1] // 2
+    assert bool((plan.pages[..., used:] == -1).all())
+    with count_ops.OpCounter() as counter:
+        cut = trimmed(plan)
+    assert sum(counter.counts.values()) == 0 and counter.host_reads == 1
+    assert torch.equal(cut.pages, plan.pages[..., :used])
+    if page_size > 1:
+        assert torch.equal(cut.page_full, plan.page_full[..., :used])
+    short = TorchBackend.attend(backend, query, store, plan, *args, **kw)
+    whole = TorchBackend.attend(backend, query, store, dataclasses.replace(plan, used=None), *args, **kw)
+    assert (short.o - whole.o).abs().max() < 1e-6 and (short.lse - whole.lse).abs().max() < 1e-6
+    assert short.attended is None or torch.equal(short.attended, whole.attended)
+
+
+def test_quest_plan_is_read_as_planned(monkeypatch):
+    *_, plan, _, _ = _decode_plan(monkeypatch, attention="quest", read_fraction=0.25, page_size=4)
+    assert plan.used is None
+    with count_ops.OpCounter() as counter:
+        assert trimmed(plan) is plan
+    assert counter.dispatched == 0
