@@ -174,3 +174,27 @@ def test_reserved_layer_reads_an_offloaded_tier_sparsely(shipped_sparse_from):
     assert all(layer._sparse_rows() is True for c in caches for layer in c.layers)
     assert eager == reserved < 0.9
     assert (logits[0] - logits[1]).abs().max() < 1e-5
+
+
+def test_reserved_hot_store_shrinks_to_what_is_left_after_a_press_moves_tokens():
+    """After a 4-bit press moves the prefill's older tokens to its tier, a ``max_cache_len`` layer's hot store keeps
+    room for the tokens it holds and the positions still to come, not a full-precision reservation of the whole
+    length beside the tier (bench_e2e: a compiled 4-bit cache held 127 MiB against 20 MiB eager); decoding up to
+    ``max_cache_len`` still fits and reads as an eager cache does."""
+    from pikv_hf.presses import QuantPress
+
+    model = tiny_model("llama", seed=0)
+    eager, reserved = PiKVCache(model, page_size=16), PiKVCache(model, page_size=16, max_cache_len=400)
+    logits = []
+    with torch.no_grad():
+        for cache in (eager, reserved):
+            with QuantPress(bits=4, group_size=8)(model):
+                model(prompt(300), past_key_values=cache)
+            steps = [model(torch.tensor([[t]]), past_key_values=cache).logits for t in range(100)]
+            logits.append(torch.cat(steps, 1))
+    assert (logits[0] - logits[1]).abs().max() < 1e-5
+    layer = reserved.layers[0]
+    held = int(layer.store.stats.count.sum(-1).max())
+    whole = layer._pages_for(400)
+    assert int(layer.store.table.cap.max()) <= layer._pages_for(held) < whole  # 100 more tokens fitted
+    assert reserved.get_seq_length() == 400

@@ -37,7 +37,23 @@ class StaticPiKVLayer(PiKVLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._seen_t = torch.zeros((), dtype=torch.int64, device=key_states.device)
-        self.store.reserve(-(-self.max_cache_len // self.page_size) + self.num_shards)  # + a partial page / shard
+        self.store.reserve(self._pages_for(self.max_cache_len))
+        self._repacks = 0
+
+    def _pages_for(self, tokens: int) -> int:
+        """Pages a run reserves for ``tokens`` tokens: one more partly filled page per shard."""
+        return -(-tokens // self.page_size) + self.num_shards
+
+    def _fit_reservation(self) -> None:
+        """After an eager forward that re-packed the hot store (a press evicted tokens or moved them to a tier), its
+        runs keep room for the tokens they hold plus every position still to come (``max_cache_len - seen``), not
+        for ``max_cache_len`` tokens: a compiled 4-bit or offloading cache does not hold a full-precision
+        reservation of the whole length beside its tier."""
+        if self.store.repacks == self._repacks:
+            return
+        self._repacks = self.store.repacks
+        held = int(self.store.stats.count.sum(-1).max()) if self.store.stats.count.numel() else 0
+        self.store.reserve(self._pages_for(held + self.max_cache_len - self.seen), shrink=True)
 
     @property
     def seen(self) -> int:
@@ -66,6 +82,7 @@ class StaticPiKVLayer(PiKVLayer):
         super().end_forward()
         if self.store is None or torch.compiler.is_compiling():
             return
+        self._fit_reservation()
         if self.policy.sparse:
             self.policy.prepare(self._group(), self.row_start)
         if self.store.device.type == "cuda":

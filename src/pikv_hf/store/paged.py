@@ -98,6 +98,7 @@ class PagedStore:
         self._since = 0  # decode tokens per run appended since (append_one): the pages they opened are bounded
         self._first: int | None = None  # the ordinal of the first of them, when known on the host
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
+        self.repacks = 0  # re-packs so far (evictions, crops, moves to a tier)
         self._marks: SpecialSlots | None = None  # the sink and recent-window slots (special_slots), kept on appends
 
     @property
@@ -191,13 +192,15 @@ class PagedStore:
         self._room, self._since, self._first = room, 1, position
 
     # ------------------------------------------------------------------ writes
-    def reserve(self, pages: int) -> None:
+    def reserve(self, pages: int, shrink: bool = False) -> None:
         """Give every run a capacity of ``pages`` pages now and after every re-pack (uniform), so that appends within
         it never move the pool; with ``append(..., grow=False)`` an append is then free of host synchronisation
-        (``torch.compile``)."""
+        (``torch.compile``). ``shrink``: also give back capacity past ``pages`` (never below the pages in use)."""
         t = self.table
         self._reserved = pages
-        if pages > t.width() or not t.uniform:
+        if shrink and t.width() > pages:
+            self._relayout(torch.full_like(t.cap, max(pages, int(t.n_pages.max()))), t.start, t.n_pages)
+        elif pages > t.width() or not t.uniform:
             self._relayout(torch.full_like(t.cap, max(pages, int(t.cap.max()))), t.start, t.n_pages)
 
     def append(
@@ -384,6 +387,7 @@ class PagedStore:
         t.open_page = torch.where(used, r.page_base + r.n_pages - 1, -1)
         t.open_fill = torch.where(used, r.count - (r.n_pages - 1) * p, p)
         self.stats.count = r.count
+        self.repacks += 1
         self._sums_stale = True  # recounted from the pages when a selector next reads them (exact reads never do)
         self._bounds_stale |= r.moved
         self._set_room(int((t.cap - n_pages).min()) if n_pages.numel() else 0)
