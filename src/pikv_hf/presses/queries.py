@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-_SCORE_BUDGET_BYTES = 128 * 2**20  # fp32 probability bytes per query chunk
+_SCORE_BUDGET_BYTES = 128 * 2**20  # fp32 probability bytes per query chunk (at most)
+_SCORE_HIDDEN_RATIO = 4  # ... and at most this many fp32 copies of the layer input (below an MLP's activations)
 
 
 def check_query_path(module: nn.Module) -> None:
@@ -148,9 +149,11 @@ def _attention_statistics(
     hits = torch.zeros(b, h, t, dtype=torch.int64, device=device)
     last = torch.full((b, h, t), -1, dtype=torch.int64, device=device)
     query_ok = torch.ones(b, n, dtype=torch.bool, device=device) if layout.query_ok is None else layout.query_ok
-    # query chunks bound the [B, Hq, chunk, keys] scores; a chunk scores only the keys its last query can see (keys
-    # are position-ordered, so those are a prefix of every row)
-    chunk = min(max(1, _SCORE_BUDGET_BYTES // max(1, b * hq * t * 4)), max(64, -(-n // 8)))
+    # query chunks bound the [B, Hq, chunk, keys] scores (by a fixed budget and by the size of the layer's input, so
+    # that they stay below the activations the model's own forward makes); a chunk scores only the keys its last
+    # query can see (keys are position-ordered, so those are a prefix of every row)
+    budget = min(_SCORE_BUDGET_BYTES, _SCORE_HIDDEN_RATIO * hidden_states.numel() * 4)
+    chunk = min(max(1, budget // max(1, b * hq * t * 4)), max(64, -(-n // 8)))
     keys32 = keys.float()
     queries = queries.float() * scale  # scaled before the product: the scores are made once, not scaled into a copy
     for start in range(0, n, chunk):
@@ -161,14 +164,17 @@ def _attention_statistics(
         visible = (kpos <= qpos) & layout.valid[:, :, None, :end] & query_ok[:, None, start:stop, None]
         if window:
             visible &= kpos > qpos - window
+        seen = visible.sum(-1, keepdim=True) if with_hits else None  # [B, H, q, 1] keys each query sees
         qc = queries[:, :, start:stop].reshape(b, h, g, stop - start, d)
         # one score-sized float tensor per chunk: the product, masked, exponentiated and normalised in place
         prob = torch.einsum("bhgqd,bhkd->bhgqk", qc, keys32[:, :, :end])
-        prob = _softmax_(prob.masked_fill_(~visible.unsqueeze(2), float("-inf"))).nan_to_num_(0.0)  # seen none: 0
+        hidden = visible.logical_not_().unsqueeze(2)
+        prob = _softmax_(prob.masked_fill_(hidden, float("-inf"))).nan_to_num_(0.0)  # a query seeing nothing: 0
+        del visible, hidden
         if with_hits:
             summed = prob.sum(2)  # [B, H, q, end], summed over G
             mass[..., :end] += summed.sum(2)
-            hit = summed > g / visible.sum(-1, keepdim=True).float()
+            hit = summed > g / seen.float()
             hits[..., :end] += hit.sum(2)
             last[..., :end] = torch.maximum(last[..., :end], torch.where(hit, qpos, -1).amax(2))
         else:
