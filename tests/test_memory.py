@@ -17,6 +17,7 @@ import torch
 from helpers import prompt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers import DynamicCache
 
 from pikv_hf import PiKVCache
 from pikv_hf.presses import H2OPress, QuantPress
@@ -54,6 +55,39 @@ class Created(TorchDispatchMode):
 
     def alive(self) -> list[torch.Tensor]:
         return [t for t in (r() for r in self.refs) if t is not None]
+
+
+class PeakLive(TorchDispatchMode):
+    """The most bytes of CPU tensor storage alive at once among the storages operators return while active (each
+    storage counted from the first tensor returned on it until the last such tensor is gone): a forward's peak
+    temporaries plus what it stores, without the model's weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, tensors returned on it still alive]
+        self.now = self.peak = 0
+
+    def _release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.untyped_storage().data_ptr() == 0:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.live:
+                self.live[ptr] = [storage.nbytes(), 0]
+                self.now += storage.nbytes()
+                self.peak = max(self.peak, self.now)
+            self.live[ptr][1] += 1
+            weakref.finalize(t, self._release, ptr)
+        return out
 
 
 def reachable_tensors(root) -> dict[int, tuple[str, torch.Tensor]]:
@@ -192,3 +226,28 @@ def test_bytes_held_beyond_kv_are_within_5_percent_of_fp16_kv(way):
     assert 0 <= extra <= 0.05 * fp16, f"{name}: {extra / fp16:.4f}x the fp16 KV held beyond K/V"
     if name == "quant4":
         assert cache.kv_nbytes() < 0.4 * fp16  # the 4-bit cache is what it says
+
+
+def test_h2o_offload_routed_prefill_peak_is_within_10_percent_of_dynamic_cache():
+    """SmolLM2's attention and MLP shapes (9 query / 3 KV heads of 64, MLP 1536, fp32), 2 layers, 2k tokens: the peak
+    of the tensors a prefill makes under H2O (half offloaded to CPU memory, routed reads) against DynamicCache's.
+    H2O's attention statistics keep one score-sized tensor per query chunk (scores, mask and softmax in place; the
+    previous chunk's freed first); with the scores, their softmax copy, the previous chunk's and an int64 distance
+    tensor alive at once this prefill peaked at 1.25x DynamicCache's."""
+    model = tiny_model(
+        "llama", seed=0, hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+        num_hidden_layers=2, max_position_embeddings=4096,
+    )  # fmt: skip
+    ids = prompt(2048, seed=1)
+    kwargs, presses = WAYS["h2o_offload_routed"]
+    peaks = {}
+    for name, cache, enter in [("dynamic", DynamicCache(), []), ("h2o", PiKVCache(model, **kwargs), presses)]:
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for press in enter:
+                stack.enter_context(press()(model))
+            peak = stack.enter_context(PeakLive())
+            model(ids, past_key_values=cache, logits_to_keep=1)
+        peaks[name] = peak.peak
+    assert (cache.layers[1].resident_tokens() == 1024).all()  # the press kept half resident, offloaded the rest
+    assert peaks["dynamic"] > 40 * 2**20  # the MLP's [2048, 1536] activations and the KV: the check below has weight
+    assert peaks["h2o"] <= 1.10 * peaks["dynamic"], f"{peaks['h2o'] / peaks['dynamic']:.3f}x DynamicCache's peak"

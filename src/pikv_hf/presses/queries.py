@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-_SCORE_BUDGET_BYTES = 128 * 2**20  # fp32 probability bytes per query chunk
+_SCORE_BUDGET_BYTES = 128 * 2**20  # fp32 probability bytes per query chunk (at most)
+_SCORE_HIDDEN_RATIO = 4  # ... and at most this many fp32 copies of the layer input (below an MLP's activations)
 
 
 def check_query_path(module: nn.Module) -> None:
@@ -148,32 +149,44 @@ def _attention_statistics(
     hits = torch.zeros(b, h, t, dtype=torch.int64, device=device)
     last = torch.full((b, h, t), -1, dtype=torch.int64, device=device)
     query_ok = torch.ones(b, n, dtype=torch.bool, device=device) if layout.query_ok is None else layout.query_ok
-    # query chunks bound the [B, Hq, chunk, keys] scores; a chunk scores only the keys its last query can see (keys
-    # are position-ordered, so those are a prefix of every row)
-    chunk = min(max(1, _SCORE_BUDGET_BYTES // max(1, b * hq * t * 4)), max(64, -(-n // 8)))
+    # query chunks bound the [B, Hq, chunk, keys] scores (by a fixed budget and by the size of the layer's input, so
+    # that they stay below the activations the model's own forward makes); a chunk scores only the keys its last
+    # query can see (keys are position-ordered, so those are a prefix of every row)
+    budget = min(_SCORE_BUDGET_BYTES, _SCORE_HIDDEN_RATIO * hidden_states.numel() * 4)
+    chunk = min(max(1, budget // max(1, b * hq * t * 4)), max(64, -(-n // 8)))
     keys32 = keys.float()
+    queries = queries.float() * scale  # scaled before the product: the scores are made once, not scaled into a copy
     for start in range(0, n, chunk):
         stop = min(n, start + chunk)
-        qpos = layout.query_pos[start:stop]
-        end = int(((layout.pos <= qpos[-1]) & layout.valid).sum(-1).max())
-        qc = queries[:, :, start:stop].reshape(b, h, g, stop - start, d)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qc.float(), keys32[:, :, :end]) * scale
-        # [B, H, q, end] query - key distance (int32: a score-sized temporary, so half of int64's bytes)
-        rel = qpos.to(torch.int32).view(1, 1, -1, 1) - layout.pos[:, :, None, :end].to(torch.int32)
-        visible = (rel >= 0) & layout.valid[:, :, None, :end] & query_ok[:, None, start:stop, None]
+        qpos = layout.query_pos[start:stop].view(1, 1, -1, 1)
+        end = int(((layout.pos <= qpos.max()) & layout.valid).sum(-1).max())
+        kpos = layout.pos[:, :, None, :end]  # [B, H, 1, end]
+        visible = (kpos <= qpos) & layout.valid[:, :, None, :end] & query_ok[:, None, start:stop, None]
         if window:
-            visible &= rel < window
-        del rel
-        # in place where the tensor is this chunk's own: one score-sized float tensor alive at a time, not three
-        prob = logits.masked_fill_(~visible.unsqueeze(2), float("-inf")).softmax(-1)
-        del logits
-        prob = prob.nan_to_num_(0.0).sum(2)  # [B, H, q, end], summed over G; a query that sees nothing gives 0
-        mass[..., :end] += prob.sum(2)
+            visible &= kpos > qpos - window
+        seen = visible.sum(-1, keepdim=True) if with_hits else None  # [B, H, q, 1] keys each query sees
+        qc = queries[:, :, start:stop].reshape(b, h, g, stop - start, d)
+        # one score-sized float tensor per chunk: the product, masked, exponentiated and normalised in place
+        prob = torch.einsum("bhgqd,bhkd->bhgqk", qc, keys32[:, :, :end])
+        hidden = visible.logical_not_().unsqueeze(2)
+        prob = _softmax_(prob.masked_fill_(hidden, float("-inf"))).nan_to_num_(0.0)  # a query seeing nothing: 0
+        del visible, hidden
         if with_hits:
-            hit = prob > g / visible.sum(-1, keepdim=True).float()
+            summed = prob.sum(2)  # [B, H, q, end], summed over G
+            mass[..., :end] += summed.sum(2)
+            hit = summed > g / seen.float()
             hits[..., :end] += hit.sum(2)
-            hit_pos = torch.where(hit, qpos.view(1, 1, -1, 1), -1).amax(2)
-            last[..., :end] = torch.maximum(last[..., :end], hit_pos)
+            last[..., :end] = torch.maximum(last[..., :end], torch.where(hit, qpos, -1).amax(2))
+        else:
+            mass[..., :end] += prob.sum((2, 3))
+        del prob  # before the next chunk's scores exist
     if not with_hits:
         return AttentionStatistics(mass=mass, hits=None, last_hit=None)
     return AttentionStatistics(mass=mass, hits=hits, last_hit=last)
+
+
+def _softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.softmax(-1)`` computed in place (no second score-sized tensor); a row of ``-inf`` gives NaN, as
+    ``softmax`` does."""
+    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+    return scores.div_(scores.sum(-1, keepdim=True))
