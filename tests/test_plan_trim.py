@@ -68,3 +68,28 @@ def test_quest_plan_is_read_as_planned(monkeypatch):
     with count_ops.OpCounter() as counter:
         assert trimmed(plan) is plan
     assert counter.dispatched == 0
+
+
+def test_quest_plan_of_a_reserved_cpu_store_is_sized_by_the_pages_in_use():
+    """A ``max_cache_len`` store's frame is as wide as its reservation; on the CPU (eager) a Quest plan is as wide as
+    the budget of the pages in use, not of the reservation, and reads what the unreserved cache reads."""
+    from pikv_hf.tiny import tiny_model
+
+    model = tiny_model("llama", seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(1))
+    plans, logits = [], []
+    for reserve in ({}, {"max_cache_len": 2048}):
+        cache = PiKVCache(model, attention="quest", read_fraction=0.25, page_size=4, sparse_from=0, **reserve)
+        layer = cache.layers[0]
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+            real = type(layer.step.policy).plan
+            seen = []
+            layer.step.policy.plan = lambda *a, real=real, seen=seen, policy=layer.step.policy: seen.append(
+                real(policy, *a)) or seen[-1]  # fmt: skip
+            logits.append(model(torch.tensor([[5]]), past_key_values=cache).logits)
+        plans.append(seen[0].pages)
+    used, width = int(layer.store.table.n_pages.max()), layer.store.table.width()
+    assert plans[1].shape[-1] == -(-used // 4) and width >= 2048 // 4  # the budget of the pages in use, not 128
+    assert torch.equal(plans[0], plans[1])
+    assert (logits[0] - logits[1]).abs().max() < 1e-6

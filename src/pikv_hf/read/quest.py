@@ -57,7 +57,12 @@ class QuestRead(SparseRead):
         descending score (``torch.ops.pikv.quest_select``)."""
         f = self.config.read_fraction
         score = self.scores(store, qg, qpos, row_start)
-        width = min(store.table.width(), math.ceil(f * store.table.width()))
+        w = store.table.width()
+        if store.reserved and store.device.type == "cpu" and not torch.compiler.is_compiling():
+            # a reserved frame (max_cache_len) is far wider than the pages in use, and the CPU gathers the whole
+            # plan: sized by the pages in use instead (a host read, no synchronisation on the CPU)
+            w = min(w, int(store.table.n_pages.max()) if store.table.n_pages.numel() else 0)
+        width = min(w, math.ceil(f * w))
         return ReadPlan(torch.ops.pikv.quest_select(score, store.table.n_pages, f, width))
 
     def group_plans(

@@ -114,6 +114,11 @@ class PagedStore:
         return tuple(n for n in STAT_FIELDS if n in self.pool.fields)
 
     @property
+    def reserved(self) -> bool:
+        """Whether the runs keep a reserved capacity (:meth:`reserve`, ``max_cache_len``)."""
+        return self._reserved > 0
+
+    @property
     def page_bounds_kept(self) -> bool:
         return "key_min" in self.pool.fields
 
