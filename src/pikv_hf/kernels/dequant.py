@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.kernels._host import cdiv, next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 from pikv_hf.kernels.decode_quant import QuantPages, _check_bits, dequantize_pages
 
 _BLOCK_P = 16  # slots per program
@@ -128,6 +128,9 @@ def _dequant_pages_cpu(*args):
     return _reference(*args)
 
 
+_dequant_eager = eager_direct(dequant_pages, _launch, _dequant_pages_cpu)
+
+
 @dequant_pages.register_fake
 def _dequant_pages_fake(kq, k_scale, k_zero, vq, v_scale, v_zero, bits, dtype):
     n, p, bk = kq.shape
@@ -157,4 +160,4 @@ def dequantize(quant: QuantPages, dtype: torch.dtype = torch.float32) -> tuple[t
     _check_bits(quant.bits)
     if torch.compiler.is_compiling():
         return _reference(*quant.fields(), quant.bits, dtype)
-    return dequant_pages(*quant.fields(), quant.bits, dtype)
+    return _dequant_eager(*quant.fields(), quant.bits, dtype)

@@ -15,7 +15,7 @@ import torch
 
 from pikv_hf.attention.merge import merge_two_reference
 from pikv_hf.kernels._host import cdiv, next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 
 _BLOCK_R = 16  # rows per program
 
@@ -70,6 +70,9 @@ shapes and ``lse [..., R]`` -> the merged ``(o, lse)`` (module docstring). No ar
 @merge_two.register_kernel("cpu")
 def _merge_cpu(*args):
     return merge_two_reference(*args)
+
+
+merge_two_eager = eager_direct(merge_two, _launch, _merge_cpu)  # what library code calls
 
 
 @merge_two.register_fake

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.kernels._host import next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 
 _BLOCK_S = 64  # centroids per step
 
@@ -107,6 +107,9 @@ def _place_key_cpu(keys, centroids, counts, norms):
     return place_key_reference(keys, centroids, counts, norms)
 
 
+_place_key_eager = eager_direct(place_key_op, _launch, _place_key_cpu)
+
+
 @place_key_op.register_fake
 def _place_key_fake(keys, centroids, counts, norms):
     return counts.new_empty(*keys.shape[:2], 1)
@@ -126,4 +129,4 @@ def place_key(keys: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor,
     ):
         if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous {dtype} {list(shape)}; got {t.dtype} {list(t.shape)}")
-    return place_key_op(keys, centroids, counts, norms)
+    return _place_key_eager(keys, centroids, counts, norms)

@@ -24,7 +24,7 @@ import math
 import torch
 
 from pikv_hf.kernels._host import next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 from pikv_hf.routing.scores import upper_bounds
 from pikv_hf.store.special import special_page_mask
 
@@ -127,6 +127,9 @@ def _quest_scores_cpu(*args):
     return _scores_reference(*args)
 
 
+scores = eager_direct(quest_scores, _scores_launch, _quest_scores_cpu)  # what library code calls
+
+
 @quest_scores.register_fake
 def _quest_scores_fake(qg, key_min, *rest):
     return key_min.new_empty(key_min.shape[:3], dtype=torch.float32)
@@ -162,6 +165,9 @@ rank ``i >= fraction * n_pages`` and for ``-inf`` scores. ``width <= W``."""
 @quest_select.register_kernel("cpu")
 def _quest_select_cpu(*args):
     return _select_reference(*args)
+
+
+select = eager_direct(quest_select, _select_launch, _quest_select_cpu)
 
 
 @quest_select.register_fake
@@ -254,6 +260,9 @@ every stored page, ``+inf`` pages always, ``-inf`` never. -> flat int64 ``[sum_s
 @quest_group_select.register_kernel("cpu")
 def _quest_group_select_cpu(*args):
     return _group_reference(*args)
+
+
+group_select = eager_direct(quest_group_select, _group_launch, _quest_group_select_cpu)
 
 
 @quest_group_select.register_fake

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.kernels._host import next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 
 _FIRST = 3  # index of tokens_attended in ReadStats' FIELDS
 
@@ -80,6 +80,9 @@ counters ``total`` in place (module docstring)."""
 @record_read.register_kernel("cpu")
 def _record_read_cpu(*args):
     _record_reference(*args)
+
+
+record = eager_direct(record_read, _record_launch, _record_read_cpu)  # what library code calls
 
 
 @record_read.register_fake

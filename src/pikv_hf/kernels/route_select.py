@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pikv_hf.kernels._host import next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 from pikv_hf.routing.scores import mass_of_dots, scores_of_dots
 from pikv_hf.store.summary import shard_moments
 
@@ -190,6 +190,9 @@ def _route_select_cpu(query, sums, squares, counts, scale, k, mass_target):
     return route_select_reference(query, sums, squares, counts, scale, k, mass_target)
 
 
+_route_select_eager = eager_direct(route_select_op, _launch, _route_select_cpu)
+
+
 @route_select_op.register_fake
 def _route_select_fake(query, sums, squares, counts, scale, k, mass_target):
     return counts.new_empty(counts.shape, dtype=torch.bool)
@@ -218,5 +221,5 @@ def route_select(
     if mass_target is not None and squares is None:
         raise ValueError("squares (the shards' key sums of squares) are required with a mass_target")
     target = -1.0 if mass_target is None else float(mass_target)
-    return route_select_op(query, sums, squares if mass_target is not None else None, counts, float(scale), int(k),
-                           target)  # fmt: skip
+    return _route_select_eager(query, sums, squares if mass_target is not None else None, counts, float(scale),
+                               int(k), target)  # fmt: skip

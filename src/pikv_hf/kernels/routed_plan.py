@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pikv_hf.kernels._host import next_power_of_2
-from pikv_hf.kernels._triton import check_launchable, jit, tl
+from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 from pikv_hf.read.plan import compact
 from pikv_hf.store.special import special_page_mask
 
@@ -137,6 +137,9 @@ def _routed_plan_cpu(*args):
     return pages.clone(memory_format=torch.contiguous_format), full, used
 
 
+_routed_plan_eager = eager_direct(routed_plan_op, _launch, _routed_plan_cpu)
+
+
 @routed_plan_op.register_fake
 def _routed_plan_fake(chosen, shard, *rest):
     return (
@@ -169,4 +172,4 @@ def routed_plan(
         raise ValueError(f"qpos must hold one position; got shape {list(qpos.shape)}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1; got {page_size}")
-    return routed_plan_op(chosen, shard, slots, spos, reach, qpos.reshape(1), start, int(page_size))
+    return _routed_plan_eager(chosen, shard, slots, spos, reach, qpos.reshape(1), start, int(page_size))

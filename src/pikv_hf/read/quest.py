@@ -16,7 +16,7 @@ import math
 
 import torch
 
-import pikv_hf.kernels.quest  # noqa: F401  (registers the pikv.quest_* operators)
+from pikv_hf.kernels import quest as kquest  # the pikv.quest_* operators
 from pikv_hf.read.plan import ReadPlan
 from pikv_hf.read.policy import SparseRead, register
 from pikv_hf.store import PagedStore
@@ -47,7 +47,7 @@ class QuestRead(SparseRead):
         cfg, d = self.config, store.device
         store.enable_page_bounds()
         marks = store.special_slots(cfg.n_sink, cfg.window, row_start.to(d))
-        return torch.ops.pikv.quest_scores(
+        return kquest.scores(
             qg.to(d), store.frame("key_min"), store.frame("key_max"), store.frame("valid"), marks.slots, marks.pos,
             marks.reach, qpos.to(d), store.table.start, store.page_size,
         )  # fmt: skip
@@ -63,7 +63,7 @@ class QuestRead(SparseRead):
             # plan: sized by the pages in use instead (a host read, no synchronisation on the CPU)
             w = min(w, int(store.table.n_pages.max()) if store.table.n_pages.numel() else 0)
         width = min(w, math.ceil(f * w))
-        return ReadPlan(torch.ops.pikv.quest_select(score, store.table.n_pages, f, width))
+        return ReadPlan(kquest.select(score, store.table.n_pages, f, width))
 
     def group_plans(
         self, group: StoreGroup, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor
@@ -73,7 +73,7 @@ class QuestRead(SparseRead):
         before them stay under the budget; sink and window pages always."""
         d, stores = group.device, group.stores
         scores = [self.scores(s, qg, qpos, row_start).to(d) for s in stores]
-        flat = torch.ops.pikv.quest_group_select(
+        flat = kquest.group_select(
             scores, [s.table.n_pages.to(d) for s in stores], [s.page_size for s in stores], self.config.read_fraction
         )
         plans, start = [], 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-import pikv_hf.kernels.read_stats  # noqa: F401  (registers torch.ops.pikv.record_read)
+from pikv_hf.kernels.read_stats import record  # torch.ops.pikv.record_read
 
 FIELDS = (
     "steps",  # decode steps of this layer (layer-steps once summed over layers)
@@ -64,7 +64,7 @@ class ReadStats:
         if attended.device != device:  # a store on another device (an offload tier): its figures come over
             attended, n_pages, count = attended.to(device), n_pages.to(device), count.to(device)
             pages = None if pages is None else pages.to(device)
-        torch.ops.pikv.record_read(total, attended, pages, n_pages, count, page_size, page_bytes, *step)
+        record(total, attended, pages, n_pages, count, page_size, page_bytes, *step)
 
     def add(self, device: torch.device, **counts: int) -> None:
         """Add Python ``counts`` to the named counters."""
