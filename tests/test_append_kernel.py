@@ -225,3 +225,24 @@ def test_round_robin_counts_once_per_page_with_one_page_of_room():
         assert bool((st.table.n_pages <= st.table.cap).all())
         assert int(st.table.cap.max()) <= int(st.table.n_pages.max()) + 1  # one page ahead, no more
     assert 0 < steps_that_read <= 64 // 16 + 1
+
+
+def test_eager_calls_skip_the_dispatcher_and_dispatch_modes_see_the_operator():
+    """``eager_direct``: eager code runs the implementation for the tensors' device, traced code and dispatch modes
+    (fake tensors, the operator count of ``benchmarks/count_ops.py``) the operator."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pikv_hf.kernels._triton import eager_direct
+
+    calls = []
+    call = eager_direct(*(lambda *a, n=n: calls.append(n) for n in ("operator", "cuda", "cpu")))
+    call(torch.ones(1), 3)
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        call(torch.ones(1), 3)
+    torch.compile(lambda t: call(t, 3) or t, backend="eager", fullgraph=True)(torch.ones(1))
+    assert calls == ["cpu", "operator", "operator"]
