@@ -144,8 +144,9 @@ class PagedStore:
         room (``_room``, counted down on the host) nothing is read back from the device."""
         t = self.table
         most = min(q, self.num_shards) + q // self.page_size
-        if self._room - self._opened(self._since, False, None) >= most:
-            self._set_room(self._room - self._opened(self._since, False, None) - most)
+        left = self._room - self._opened(self._since, False)  # room the decode tokens since the count may have left
+        if left >= most:
+            self._set_room(left - most)
             return
         room = int((t.cap - need).min())
         if room >= 0:
