@@ -22,8 +22,9 @@ B, H, S, P, D, N = 2, 3, 4, 4, 8, 64
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _state(seed: int, dtype: torch.dtype = torch.float32, summary: bool = True) -> dict:
-    """Page-table state with some open pages partly filled, some full, some absent, and empty pools."""
+def _state(seed: int, dtype: torch.dtype = torch.float32, summary: str | None = "bounds") -> dict:
+    """Page-table state with some open pages partly filled, some full, some absent, and empty pools; shard key
+    statistics: ``"bounds"`` sums, squares, min and max, ``"sums"`` sums and squares only, None none."""
     g = torch.Generator().manual_seed(seed)
     n_pages = torch.randint(1, 4, (B, H), generator=g)
     open_page = torch.randint(-1, 3, (B, H, S), generator=g)
@@ -34,6 +35,8 @@ def _state(seed: int, dtype: torch.dtype = torch.float32, summary: bool = True) 
          torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g))
         if summary else (None,) * 4
     )  # fmt: skip
+    if summary == "sums":
+        stats = (*stats[:2], None, None)
     return dict(
         open_page=open_page, open_fill=open_fill, n_pages=n_pages, start=start,
         key_pool=torch.zeros(N, P, D, dtype=dtype), value_pool=torch.zeros(N, P, D + 2, dtype=dtype),
@@ -57,11 +60,12 @@ def _call(fn, st: dict, shard, row_start, pos: int, cap, key, value, write_kv: b
 @pytest.mark.parametrize(
     "placed, padded, saturate, write_kv, summary, dtype",
     [
-        (True, False, False, True, True, torch.float32),
-        (False, False, False, True, False, torch.float32),
-        (False, True, False, True, False, torch.bfloat16),
-        (True, False, True, False, True, torch.float32),
-        (False, True, True, True, True, torch.float16),
+        (True, False, False, True, "bounds", torch.float32),
+        (False, False, False, True, None, torch.float32),
+        (False, True, False, True, None, torch.bfloat16),
+        (True, False, True, False, "bounds", torch.float32),
+        (False, True, True, True, "bounds", torch.float16),
+        (True, True, False, True, "sums", torch.bfloat16),
     ],
 )
 def test_kernel_matches_reference(placed, padded, saturate, write_kv, summary, dtype):
@@ -96,11 +100,13 @@ def _stores(num_shards: int, page_size: int) -> tuple[PagedStore, PagedStore]:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("num_shards, page_size, round_robin", [(4, 4, False), (8, 16, True), (16, 1, False)])
-def test_store_append_one_equals_general_append(num_shards, page_size, round_robin):
+@pytest.mark.parametrize(
+    "num_shards, page_size, round_robin, bounds", [(4, 4, False, True), (8, 16, True, True), (16, 1, False, False)]
+)
+def test_store_append_one_equals_general_append(num_shards, page_size, round_robin, bounds):
     """Forty decode tokens after a 37-token prefill: ``append_one`` (the operator) leaves the pool, page table and
     shard statistics exactly as the general append (a stable sort per shard) of the same tokens, room checks and
-    growth included."""
+    growth included; shard bounds are kept from a summary on (``bounds``), and otherwise never allocated."""
     g = torch.Generator().manual_seed(0)
     one, ref = _stores(num_shards, page_size)
     t0 = 37
@@ -110,7 +116,10 @@ def test_store_append_one_equals_general_append(num_shards, page_size, round_rob
     pos = torch.arange(t0)
     for st in (one, ref):
         st.append(k, v, shard, pos)
-        st.summary(torch.zeros(B, H, num_shards))  # key statistics kept from here on
+        if bounds:
+            st.summary(torch.zeros(B, H, num_shards))  # key statistics with bounds kept from here on
+        else:
+            st.keep_summaries()  # sums and squares only (what the top-k centroid selector reads)
     for t in range(t0, t0 + 40):
         k1, v1 = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
         if round_robin:
@@ -129,8 +138,9 @@ def test_store_append_one_equals_general_append(num_shards, page_size, round_rob
         assert torch.equal(one.frame(name)[:, :, :n], ref.frame(name)[:, :, :n]), name
     for name in ("n_pages", "open_page", "open_fill"):
         assert torch.equal(getattr(one.table, name), getattr(ref.table, name)), name
-    for name in ("count", "sum", "sq", "min", "max"):
+    for name in ("count", "sum", "sq", *(("min", "max") if bounds else ())):
         torch.testing.assert_close(getattr(one.stats, name), getattr(ref.stats, name), rtol=1e-6, atol=1e-5)
+    assert one.stats.bounds_kept == ref.stats.bounds_kept == bounds
 
 
 @contextlib.contextmanager

@@ -186,6 +186,29 @@ def test_shard_summaries_follow_appends_padding_and_retain():
     check(keep)
 
 
+def test_shard_bounds_are_kept_only_from_the_first_summary_on():
+    """``keep_summaries`` keeps sums and squares only (what the top-k centroid selector reads): no min / max is
+    allocated while appends go on; the first ``summary`` computes them from the pages (equal to the bounds of the
+    stored keys) and later appends fold into them."""
+    store, shard, k = _store_and_random_keys(4)
+    store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12))
+    store.keep_summaries()
+    store.append(k[:, :, 12:20], k[:, :, 12:20], shard[:, :, 12:20], torch.arange(12, 20))
+    store.append_one(k[:, :, 20:21], k[:, :, 20:21], shard[:, :, 20:21], torch.tensor([20]))
+    mask = torch.ones(B, H, 30, dtype=torch.bool)
+    count, total = _summary_reference(k[:, :, :21], shard[:, :, :21], mask[..., :21], S)[:2]
+    assert store.stats.min is None and store.stats.max is None and not store.stats.bounds_kept
+    assert torch.allclose(store.shard_stats().sum, total, atol=1e-5) and torch.equal(store.stats.count, count)
+    summary = store.summary(torch.zeros_like(count))
+    lo, hi = _summary_reference(k[:, :, :21], shard[:, :, :21], mask[..., :21], S)[2:]
+    assert torch.equal(summary.key_min, lo) and torch.equal(summary.key_max, hi)
+    store.append_one(k[:, :, 21:22], k[:, :, 21:22], shard[:, :, 21:22], torch.tensor([21]))
+    store.append(k[:, :, 22:], k[:, :, 22:], shard[:, :, 22:], torch.arange(22, 30))
+    lo, hi = _summary_reference(k, shard, mask, S)[2:]
+    summary = store.summary(torch.zeros_like(count))
+    assert torch.equal(summary.key_min, lo) and torch.equal(summary.key_max, hi)
+
+
 def test_retain_pools_the_shards_partly_filled_pages():
     """With ``pool_tails`` (evictions) kept tokens fill ``ceil(kept / P)`` pages per (row, head): only tokens past
     their shard's last whole page change shard, and the shard statistics (counts, sums, min / max) are those of the

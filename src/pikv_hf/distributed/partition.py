@@ -61,6 +61,7 @@ class PartitionedStore:
             self.parts.append(part)
             self.mine.append(owner == p)
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)  # every shard, not only local ones
+        self.stats.keep_bounds()  # kept from the first key (no pages of every shard here to compute them from later)
 
     @property
     def batch(self) -> int:

@@ -12,7 +12,8 @@ routed cache, the shard's key sums / squares / min / max). Here it is one progra
    reserved capacity (``cap``, compiled caches) a run past it writes into its own last page (never another run's);
 3. the writes: ``key`` / ``value`` rows (unless a codec stores them: ``key_pool`` None), ``pos``, ``valid = True``,
    ``bias = 0``, the page's ``page_shard``, ``count[b, h, s] += 1`` and, with ``key_sum`` given, the shard's key
-   statistics in float32 (each program owns its ``(row, head)``'s shards: no atomics).
+   sums and squares in float32, and its min / max with ``key_min`` given (each program owns its ``(row, head)``'s
+   shards: no atomics).
 
 The flat slot id ``(start + local_page) * P + offset`` of every token is returned (``[B, H]`` int64).
 :func:`append_one_reference` is the same in torch; it is the operator's CPU implementation (the kernel runs on CPU
@@ -36,7 +37,7 @@ def _append_one_kernel(
     pos_pool_ptr, valid_pool_ptr, bias_pool_ptr, page_shard_ptr, count_ptr, sum_ptr, sq_ptr, min_ptr, max_ptr,
     slot_ptr, H, S, P, DK, DV,
     HAS_SHARD: tl.constexpr, HAS_ROW_START: tl.constexpr, SATURATE: tl.constexpr, WRITE_KV: tl.constexpr,
-    SUMMARY: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SUMMARY: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b = bh // H
@@ -82,6 +83,9 @@ def _append_one_kernel(
         row = at * DK + dk
         tl.store(sum_ptr + row, tl.load(sum_ptr + row, mask=mk) + kf, mask=mk)
         tl.store(sq_ptr + row, tl.load(sq_ptr + row, mask=mk) + kf * kf, mask=mk)
+    if BOUNDS:
+        kf = k.to(tl.float32)
+        row = at * DK + dk
         tl.store(min_ptr + row, tl.minimum(tl.load(min_ptr + row, mask=mk), kf), mask=mk)
         tl.store(max_ptr + row, tl.maximum(tl.load(max_ptr + row, mask=mk), kf), mask=mk)
 
@@ -118,7 +122,7 @@ def append_one_reference(
     """The kernel in torch (module docstring): ``open_page`` / ``open_fill`` / ``count`` ``[B, H, S]``, ``n_pages`` /
     ``start`` / ``cap`` ``[B, H]``, ``shard`` ``[B, H]`` or None, ``row_start`` ``[B]`` or None, ``key`` /
     ``value`` ``[B, H, Dk]`` / ``[B, H, Dv]``, pools ``[N, P, ...]``, ``page_shard`` ``[N]``, key statistics
-    ``[B, H, S, Dk]`` float32, ``pos`` ``[1]`` the tokens' position -> flat slots ``[B, H]``; every state tensor is
+    ``[B, H, S, Dk]`` float32 (the min / max may be None without the sums), ``pos`` ``[1]`` the tokens' position -> flat slots ``[B, H]``; every state tensor is
     updated in place."""
     b, h, n_shards = open_page.shape
     p = pos_pool.shape[1]
@@ -150,6 +154,7 @@ def append_one_reference(
         at = s.unsqueeze(-1).expand(b, h, 1, k.shape[-1])
         key_sum.scatter_add_(2, at, k)
         key_sq.scatter_add_(2, at, k * k)
+    if key_min is not None:
         key_min.scatter_reduce_(2, at, k, "amin")
         key_max.scatter_reduce_(2, at, k, "amax")
     return slot
@@ -166,17 +171,17 @@ def append_one_kernel(
     dk, dv = key.shape[-1], value.shape[-1]
     slot = torch.empty(b, h, dtype=torch.int64, device=open_page.device)
     check_launchable(_append_one_kernel, open_page.device)
-    summary = key_sum is not None
+    summary, bounds = key_sum is not None, key_min is not None
     _append_one_kernel[(b * h,)](
         shard if shard is not None else slot, row_start if row_start is not None else slot, pos,
         open_page, open_fill, n_pages, start, cap if cap is not None else slot,
         key, value, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_pool if key_pool is not None else key, value_pool if value_pool is not None else value,
         pos_pool, valid_pool, bias_pool, page_shard, count,
-        *((key_sum, key_sq, key_min, key_max) if summary else (slot,) * 4),
+        *((key_sum, key_sq) if summary else (slot,) * 2), *((key_min, key_max) if bounds else (slot,) * 2),
         slot, h, n_shards, p, dk, dv,
         HAS_SHARD=shard is not None, HAS_ROW_START=row_start is not None, SATURATE=cap is not None,
-        WRITE_KV=key_pool is not None, SUMMARY=summary,
+        WRITE_KV=key_pool is not None, SUMMARY=summary, BOUNDS=bounds,
         BLOCK_DK=max(16, next_power_of_2(dk)), BLOCK_DV=max(16, next_power_of_2(dv)),
     )  # fmt: skip
     return slot

@@ -51,19 +51,26 @@ class RoutedRead(SparseRead):
             shape = (group.batch, group.heads, group.num_shards)
             self.misses = torch.zeros(shape, dtype=torch.int64, device=group.device)
         if all(s.summaries_kept for s in group.stores):  # sums an eviction left stale: recounted here, not in a step
-            group.summary(self.misses)
+            if self._plain(group):
+                group.stores[0].shard_stats()
+            else:
+                group.summary(self.misses)
+
+    def _plain(self, store: PagedStore | StoreGroup) -> bool:
+        """Whether the selection is one operator over one store's kept key sums (:meth:`chosen`): the top-k centroid
+        selector, which neither counts misses nor learns nor reads the shard bounds."""
+        plain = type(self.selector) is TopKSelector and self.selector.score == "centroid" and not self.learns()
+        return plain and (not isinstance(store, StoreGroup) or len(store.stores) == 1)
 
     def chosen(self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float) -> torch.Tensor:
         """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) read, as :meth:`choose` selects
         them. The top-k centroid selector, which neither counts misses nor learns, selects in one operator
         (``pikv_hf.kernels.route_select``) from the kept key sums of a layer held by one store."""
-        plain = type(self.selector) is TopKSelector and self.selector.score == "centroid"
-        stores = store.stores if isinstance(store, StoreGroup) else [store]
-        if not plain or self.learns() or len(stores) != 1:  # tiers: their summaries combine (StoreGroup.summary)
+        if not self._plain(store):  # tiers: their summaries combine (StoreGroup.summary)
             selected, keep = self.choose(store, qg, scale)
             b, h, s = store.batch, store.heads, store.num_shards
             return torch.zeros(b, h, s, dtype=torch.bool, device=selected.device).scatter_(2, selected, keep)
-        stats = stores[0].shard_stats()
+        stats = (store.stores[0] if isinstance(store, StoreGroup) else store).shard_stats()
         sums, squares = stats.key_stats()[:2]
         return route_select(qg, sums, squares, stats.count, scale, self.config.top_k_shards, self.config.mass_target)
 

@@ -93,7 +93,7 @@ class PagedStore:
         self.stats = ShardStats(batch, heads, num_shards, self.k_dim, device)
         self._sums_stale = False  # key sums lost track after a re-pack: recounted when a selector reads them
         self._bounds_stale = False  # shard min / max too: a re-pack moved tokens between shards (pooled tails)
-        self._summarised = False  # key statistics kept at all (from the first summary() on; counts always)
+        self._summarised = False  # key sums kept at all (from keep_summaries() on; counts always; bounds: summary())
         self._room = 0  # pages every run could still take when last counted (a lower bound, kept on the host)
         self._since = 0  # decode tokens per run appended since (append_one): the pages they opened are bounded
         self._first: int | None = None  # the ordinal of the first of them, when known on the host
@@ -468,11 +468,11 @@ class PagedStore:
         return self.codec.decode({n: self.frame(n) for n in self.kv_fields})
 
     def keep_summaries(self) -> None:
-        """Keep the key statistics selectors read (sums, squares, bounds per shard) from now on: computed from the
-        pages here, incrementally afterwards. A store nobody selects shards of (exact and Quest reads) keeps only
-        counts."""
+        """Keep the key statistics selectors read (sums and squares per shard) from now on: computed from the pages
+        here, incrementally afterwards. A store nobody selects shards of (exact and Quest reads) keeps only counts;
+        the shard bounds are kept from the first :meth:`summary` on (the top-k centroid selector never asks)."""
         if not self._summarised:
-            self._recount(bounds=True)
+            self._recount(bounds=False)
             self._summarised = True
 
     def _recount(self, bounds: bool) -> None:
@@ -494,12 +494,16 @@ class PagedStore:
         first after an eviction re-packed the pages)."""
         self.keep_summaries()
         if self._sums_stale:
-            self._recount(bounds=self._bounds_stale)
+            self._recount(bounds=self._bounds_stale and self.stats.bounds_kept)
         return self.stats
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
-        """The shard summaries a selector reads, from :meth:`shard_stats`."""
-        return self.shard_stats().summary(misses)
+        """The shard summaries a selector reads, from :meth:`shard_stats` (bounds included: computed from the pages
+        at the first call, kept incrementally afterwards)."""
+        stats = self.shard_stats()
+        if not stats.bounds_kept:
+            self._recount(bounds=True)
+        return stats.summary(misses)
 
     def tokens_per_shard(self) -> torch.Tensor:
         """``[B, H, S]`` valid tokens held by each shard."""

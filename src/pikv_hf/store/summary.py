@@ -17,9 +17,10 @@ from pikv_hf.routing.base import ShardSummary
 class ShardStats:
     """``[B, H, S, Dk]`` float32 sums / squares / min / max and ``[B, H, S]`` int64 counts of the valid keys.
 
-    The four key statistics are allocated when first kept (:meth:`add` with keys, :meth:`key_stats`, :meth:`recount`):
-    a store nobody selects shards of keeps only counts, and 4 x ``S x Dk`` floats per (row, head) are a quarter of
-    a 4k-token fp16 KV at 256 shards.
+    The sums and squares are allocated when first kept (:meth:`add` with keys, :meth:`key_stats`, :meth:`recount`),
+    the bounds (min / max) only when asked for (:meth:`keep_bounds`, ``recount(bounds=True)``): a store nobody selects
+    shards of keeps only counts, and the top-k centroid selector reads no bound. Each of the four is ``S x Dk``
+    floats per (row, head): a sixteenth of a 4k-token fp16 KV at 256 shards.
     """
 
     _KEY_STATS = ("sum", "sq", "min", "max")
@@ -31,15 +32,26 @@ class ShardStats:
         self._resident: torch.Tensor | None = None  # every shard resident (a store holds its own pages)
 
     def _keep_keys(self) -> None:
-        """Allocate the key statistics (empty: zero sums, +inf / -inf bounds) unless kept already."""
+        """Allocate the key sums and squares (empty: zeros) unless kept already."""
         if self.sum is None:
             self.sum = self.count.new_zeros(*self.count.shape, self.k_dim, dtype=torch.float32)
             self.sq = torch.zeros_like(self.sum)
+
+    def keep_bounds(self) -> None:
+        """Allocate the key bounds (empty: +inf / -inf) unless kept already; keys folded in from now on update them
+        (a caller with keys already counted recomputes them: ``recount(bounds=True)``)."""
+        self._keep_keys()
+        if self.min is None:
             self.min = torch.full_like(self.sum, float("inf"))
             self.max = torch.full_like(self.sum, float("-inf"))
 
-    def key_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The key sums, squares, min and max (allocated if not kept yet), for an operator that folds keys in."""
+    @property
+    def bounds_kept(self) -> bool:
+        return self.min is not None
+
+    def key_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The key sums and squares (allocated if not kept yet) and the min and max (None unless kept), for an
+        operator that folds keys in."""
         self._keep_keys()
         return self.sum, self.sq, self.min, self.max
 
@@ -55,7 +67,7 @@ class ShardStats:
         self.sum.view(-1, d).index_add_(0, bhs, k, alpha=sign)
         self.sq.view(-1, d).index_add_(0, bhs, k * k, alpha=sign)
         self.count.view(-1).index_add_(0, bhs, torch.ones_like(bhs), alpha=sign)
-        if sign > 0:
+        if sign > 0 and self.bounds_kept:
             idx = bhs.unsqueeze(-1).expand_as(k)
             self.min.view(-1, d).scatter_reduce_(0, idx, k, "amin")
             self.max.view(-1, d).scatter_reduce_(0, idx, k, "amax")
@@ -63,13 +75,14 @@ class ShardStats:
     def recount(self, bhs: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, bounds: bool = False) -> None:
         """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat
         ``(row, head, shard)`` id of each page ``bhs`` ``[N]``. Counts are the caller's; min / max are kept (after a
-        removal they still bound the keys) unless ``bounds`` asks for them anew."""
+        removal they still bound the keys) unless ``bounds`` asks for them anew (allocating them if not kept)."""
         self._keep_keys()
         k = keys.float() * valid.unsqueeze(-1)
         d = k.shape[-1]
         self.sum.zero_().view(-1, d).index_add_(0, bhs, k.sum(1))
         self.sq.zero_().view(-1, d).index_add_(0, bhs, (k * k).sum(1))
         if bounds:
+            self.keep_bounds()
             idx = bhs.unsqueeze(-1).expand(-1, d)
             lo = k.masked_fill(~valid.unsqueeze(-1), float("inf")).amin(1)
             hi = k.masked_fill(~valid.unsqueeze(-1), float("-inf")).amax(1)
@@ -82,8 +95,10 @@ class ShardStats:
                 setattr(self, name, getattr(self, name).index_select(0, index))
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
-        """The shards as a selector sees them (every shard is resident: no offload tier yet)."""
-        self._keep_keys()
+        """The shards as a selector sees them (every shard is resident: no offload tier yet); the bounds must be kept
+        (:meth:`keep_bounds`)."""
+        if not self.bounds_kept:
+            raise RuntimeError("ShardStats.summary: key bounds are not kept (call keep_bounds() before adding keys)")
         centroids, key_var = shard_moments(self.sum, self.sq, self.count)
         if torch.compiler.is_compiling():  # a compiled step changes no attribute dynamo guards on
             resident = torch.ones_like(self.count, dtype=torch.bool)
