@@ -122,8 +122,8 @@ def append_one_reference(
     """The kernel in torch (module docstring): ``open_page`` / ``open_fill`` / ``count`` ``[B, H, S]``, ``n_pages`` /
     ``start`` / ``cap`` ``[B, H]``, ``shard`` ``[B, H]`` or None, ``row_start`` ``[B]`` or None, ``key`` /
     ``value`` ``[B, H, Dk]`` / ``[B, H, Dv]``, pools ``[N, P, ...]``, ``page_shard`` ``[N]``, key statistics
-    ``[B, H, S, Dk]`` float32 (the min / max may be None without the sums), ``pos`` ``[1]`` the tokens' position -> flat slots ``[B, H]``; every state tensor is
-    updated in place."""
+    ``[B, H, S, Dk]`` float32 or None (the min / max may be None while the sums are given), ``pos`` ``[1]`` the
+    tokens' position -> flat slots ``[B, H]``; every state tensor is updated in place."""
     b, h, n_shards = open_page.shape
     p = pos_pool.shape[1]
     if shard is None:
