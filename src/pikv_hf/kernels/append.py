@@ -219,5 +219,3 @@ def append_one(*args) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return append_one_reference(*args)
     return _append_one_eager(*args)
-
-
