@@ -25,7 +25,6 @@ from pikv_hf.edits import LayerEdits
 from pikv_hf.forward import ForwardState, PagedKV
 from pikv_hf.read import make_policy
 from pikv_hf.routing import Placement, PlacementContext
-from pikv_hf.routing.hash import RoundRobinPlacement
 from pikv_hf.step import DecodeStep, Query
 from pikv_hf.store import PagedStore
 from pikv_hf.store.tiers import OFFLOAD, LayerStores
@@ -215,7 +214,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self._note_rows(present, token_index)
         row_start = self.row_start if self._padded else None
         decode = q == 1 and present is None and isinstance(self.store, PagedStore)
-        if decode and isinstance(self.placement, RoundRobinPlacement):
+        if decode and self.placement.placed_by_append:
             shard = None  # placed by the append operator itself
         else:
             ctx = PlacementContext(

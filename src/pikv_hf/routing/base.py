@@ -56,9 +56,14 @@ class PlacementContext:
 
 
 class Placement:
-    """Base class of placement routers (one instance per cache layer)."""
+    """Base class of placement routers (one instance per cache layer).
+
+    ``placed_by_append``: a decode token's shard is the page-granular round robin, which the store's one-token append
+    computes itself (``PagedStore.append_one`` with no shard): :meth:`place` is not called for it.
+    """
 
     name: str = ""
+    placed_by_append = False
 
     def __init__(self, num_shards: int) -> None:
         if int(num_shards) < 1:

@@ -19,6 +19,7 @@ class RoundRobinPlacement(Placement):
     """
 
     name = "round_robin"
+    placed_by_append = True
 
     def place(self, ctx: PlacementContext) -> torch.Tensor:
         b, h, q, _ = ctx.keys.shape

@@ -149,16 +149,19 @@ class PagedStore:
             self._set_room(left - most)
             return
         room = int((t.cap - need).min())
-        if room >= 0:
-            self._set_room(room)
-            return
+        self._set_room(room if room >= 0 else self._grow(need))
+
+    def _grow(self, need: torch.Tensor) -> int:
+        """Give every run short of ``need`` (``[B, H]``) pages that many plus 1/64 headroom (uniform runs all the
+        largest need: uniform stays uniform); returns the room left beyond ``need`` in the least roomy run."""
+        t = self.table
         if t.uniform:
             top = int(need.max())
             cap = torch.full_like(t.cap, top + top // 64)
         else:
             cap = torch.where(need > t.cap, need + need // 64, t.cap)
         self._relayout(cap, t.start, t.n_pages)
-        self._set_room(int((cap - need).min()))
+        return int((cap - need).min())
 
     def _opened(self, n: int, round_robin: bool, first: int | None = None) -> int:
         """Most pages one run can have opened for ``n`` decode tokens. A shard given ``n_j`` of them opens at most
@@ -178,23 +181,16 @@ class PagedStore:
         host). While the pages the decode tokens since the last count can have opened stay within the room counted
         then, nothing is read back from the device: under the round robin a count comes once per page (when the
         tokens enter a new group), otherwise about every ``P * cap / 128`` steps with the 1/64 headroom. A count
-        that finds a run full grows it by 1/64, at least one page: the next page is reserved before a token needs
-        it (the operator cannot grow a run)."""
+        that finds a run full grows it to one page more than it uses, plus 1/64: the next page is reserved before a
+        token needs it (the operator cannot grow a run)."""
         n = self._since + 1
         if self._opened(n, round_robin, self._first) <= self._room:
             self._since = n
             return
         t = self.table
-        used = t.n_pages
-        room = int((t.cap - used).min()) if t.cap.numel() else 0
+        room = int((t.cap - t.n_pages).min()) if t.cap.numel() else 0
         if room < 1:
-            if t.uniform:
-                top = int(used.max())
-                cap = torch.full_like(t.cap, top + max(top // 64, 1))
-            else:
-                cap = torch.where(used >= t.cap, used + (used // 64).clamp(min=1), t.cap)
-            self._relayout(cap, t.start, used)
-            room = int((cap - used).min())
+            room = self._grow(t.n_pages + 1) + 1
         self._room, self._since, self._first = room, 1, position
 
     # ------------------------------------------------------------------ writes
@@ -264,22 +260,12 @@ class PagedStore:
             take = present.reshape(-1)
             flat_tokens = tuple(x[take] for x in flat_tokens)
         k, v, sh, pos, bhs, flat = flat_tokens
-        if not self.codec.page_level:
-            for name, t in self.codec.encode(k, v).items():
-                self.pool.write(name, flat, t)
         self.pool.write("pos", flat, pos)
         self.pool.flat("valid").index_fill_(0, flat, True)
         self.pool.flat("bias").index_fill_(0, flat, 0.0)
-        if self.codec.page_level:
-            append_to_pages(self.pool, self.codec, self.kv_fields, flat, k, v, self.page_heads())
-        for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
-            fresh = pos if name == "last_access" else torch.zeros(flat.numel(), device=self.device)
-            self.pool.write(name, flat, fresh.to(self.pool.specs[name].dtype))
-        page = flat.div(self.page_size, rounding_mode="floor")
-        self.pool["shard"].index_copy_(0, page, sh.to(torch.int32))
+        self.pool["shard"].index_copy_(0, flat.div(self.page_size, rounding_mode="floor"), sh.to(torch.int32))
         self.stats.add(bhs, k, counts_only=not self._summarised)
-        if self.page_bounds_kept:
-            fold_page_bounds(self.pool, page, k)
+        self._write_tokens(flat, k, v, pos, kv_written=False)
         if q > 1:  # a chunk (or tokens moved in from another store) may hold sinks: found again when next asked
             self._marks = None
         elif self._marks is not None:
@@ -315,20 +301,29 @@ class PagedStore:
             pool["keys"] if identity else None, pool["values"] if identity else None,
             pool["pos"], pool["valid"], pool["bias"], pool["shard"], self.stats.count, *sums,
         ).unsqueeze(-1)  # fmt: skip
-        flat = slot.view(-1)
         k, v = keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim)
-        if self.codec.page_level:
-            append_to_pages(pool, self.codec, self.kv_fields, flat, k, v, self.page_heads())
-        elif not identity:
-            for name, field in self.codec.encode(k, v).items():
-                pool.write(name, flat, field)
-        for name in self.stat_fields:  # no attention yet; inserting a token counts as its last access
-            pool.flat(name).index_fill_(0, flat, pos.view(()) if name == "last_access" else 0)
-        if self.page_bounds_kept:
-            fold_page_bounds(pool, flat.div(self.page_size, rounding_mode="floor"), k)
+        self._write_tokens(slot.view(-1), k, v, pos, kv_written=identity)
         if self._marks is not None:
             self._marks.push(slot, pos, False)
         return slot
+
+    def _write_tokens(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kv_written: bool
+    ) -> None:
+        """What an append writes past the slot bookkeeping, for tokens at flat ``slots`` (``[M]``), keys / values
+        ``[M, D]`` and positions ``pos`` (``[M]``, or ``[1]`` for all): their codec's fields (a page-level codec
+        re-encodes their pages; ``kv_written``: identity K/V already written), slot statistics (inserting a token
+        counts as its last access) and Quest's page bounds."""
+        if self.codec.page_level:
+            append_to_pages(self.pool, self.codec, self.kv_fields, slots, k, v, self.page_heads())
+        elif not kv_written:
+            for name, field in self.codec.encode(k, v).items():
+                self.pool.write(name, slots, field)
+        for name in self.stat_fields:
+            fresh = pos.expand(slots.numel()) if name == "last_access" else torch.zeros_like(slots)
+            self.pool.write(name, slots, fresh)
+        if self.page_bounds_kept:
+            fold_page_bounds(self.pool, slots.div(self.page_size, rounding_mode="floor"), k)
 
     def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> SpecialSlots:
         """The flat slots (``[B, H, n_sink + window]``, ``-1``: none) and positions of each (row, head)'s first
