@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -13,6 +18,7 @@ from pikv_hf.tiny import TINY_ARCHS, tiny_model
 ROUTERS = ("round_robin", "expert", "key_cluster")
 ARCH_ROUTER_CASES = [(a, r) for a in TINY_ARCHS for r in ROUTERS if not (r == "expert" and a == "llama")]
 TOL = 1e-4
+TESTS = Path(__file__).resolve().parent
 
 _MODELS: dict[tuple[str, str], torch.nn.Module] = {}
 
@@ -98,6 +104,18 @@ def shard_of_positions(store, n: int) -> torch.Tensor:
     return out
 
 
+def run_without_interpreter(code: str) -> str:
+    """Stdout of the Python ``code`` run in a subprocess without ``TRITON_INTERPRET``, so that its kernels compile for
+    a GPU target (``sm90.compile_sm90``; ``src`` and ``tests`` first on its path). Skips the test without triton,
+    fails it with the end of the subprocess's stderr when that exits non-zero."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(TESTS.parent / "src"), str(TESTS), env.get("PYTHONPATH"))))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
+
+
 # one case per architecture for the generate scenarios: the model's own routing where it has one
 SCENARIO_CASES = [(a, "key_cluster" if a == "llama" else "expert") for a in TINY_ARCHS]
 
@@ -115,6 +133,7 @@ __all__ = [
     "model_pair",
     "pikv",
     "prompt",
+    "run_without_interpreter",
     "shard_of_positions",
     "slot_shard",
 ]

@@ -6,12 +6,10 @@ the kernel for sm_90."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import run_without_interpreter
 
 from pikv_hf.kernels import append
 from pikv_hf.kernels._triton import interpreted
@@ -190,12 +188,8 @@ def test_operator_registration():
 
 
 _COMPILE_SM90 = """
-import inspect, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90 import compile_sm90
 from pikv_hf.kernels import append
-k = append._append_one_kernel
-names = list(inspect.signature(k.fn).parameters)
 types = dict.fromkeys(("shard_ptr", "row_start_ptr", "pos_ptr", "open_page_ptr", "open_fill_ptr", "n_pages_ptr",
                        "start_ptr", "cap_ptr", "count_ptr", "slot_ptr"), "*i64")
 types |= dict.fromkeys(("key_ptr", "value_ptr", "key_pool_ptr", "value_pool_ptr", "bias_pool_ptr"), "*bf16")
@@ -204,20 +198,14 @@ types |= {"pos_pool_ptr": "*i32", "valid_pool_ptr": "*i1", "page_shard_ptr": "*i
 for flags in ((True, False, False, True, True), (False, True, True, False, False)):
     const = dict(zip(("HAS_SHARD", "HAS_ROW_START", "SATURATE", "WRITE_KV", "SUMMARY"), flags))
     const |= dict(BLOCK_DK=128, BLOCK_DV=128)
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
-    src = ASTSource(k, sig, constexprs={(names.index(c),): v for c, v in const.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 1})
+    compile_sm90(append._append_one_kernel, types, const, num_warps=1)
     print("ok")
 """
 
 
 def test_kernel_compiles_for_sm90_without_a_gpu():
     """The CUDA front end (stricter than the interpreter) compiles both flag sets of the kernel for sm_90."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["ok", "ok"]
+    assert run_without_interpreter(_COMPILE_SM90).split() == ["ok", "ok"]
 
 
 def test_round_robin_counts_once_per_page_with_one_page_of_room():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_without_interpreter
 
 from pikv_hf.kernels import (
     decode_attention,
@@ -359,11 +360,9 @@ def test_pikv_hf_and_the_references_import_without_triton():
 
 
 _COMPILE_SM90 = """
-import inspect, triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import triton.language as tl
+from sm90 import compile_sm90
 from pikv_hf.kernels import decode
-names = list(inspect.signature(decode._split_kernel_fn).parameters)
 types = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8", "count_ptr": "*i32",
          "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
 types |= dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16")
@@ -373,17 +372,12 @@ for bits, page, block_n, table in cases:  # table 0: global ids, 1: local ids of
     const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, BLOCK_DK=128, BLOCK_DV=128, HAS_LEN=True,
                  HAS_FULL=True, HAS_SLIDING=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", BITS=bits,
                  GROUP=64, TABLE=table, SPAN=4096, BLOCK_N=block_n)
-    kv = "*u8" if bits else "*bf16"
-    sig = {n: "constexpr" if n in const else types.get(n, kv if n in ("k_ptr", "v_ptr") else "i32") for n in names}
-    src = ASTSource(decode._split_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 2})
+    kv = dict.fromkeys(("k_ptr", "v_ptr"), "*u8" if bits else "*bf16")
+    kernel = compile_sm90(decode._split_kernel, types | kv, const, num_warps=4, num_stages=2)
     print(f"{bits}-{table}", kernel.metadata.shared)
-names = list(inspect.signature(decode._merge_kernel.fn).parameters)
 const = dict(R=4, G=4, Q=1, DV=128, BLOCK_S=16, BLOCK_DV=128, HAS_SINKS=True)
 types = {"count_ptr": "*i32", "attended_ptr": "*i64", "H": "i32", "num_splits": "i32"}
-sig = {n: "constexpr" if n in const else types.get(n, "*fp32") for n in names}
-src = ASTSource(decode._merge_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-print("merge", triton.compile(src, target=GPUTarget("cuda", 90, 64)).metadata.num_warps)
+print("merge", compile_sm90(decode._merge_kernel, types, const, default="*fp32").metadata.num_warps)
 """
 
 
@@ -393,11 +387,7 @@ def test_split_kernel_compiles_for_sm90_without_a_gpu():
     dots, sparse plan, value groups of 64) as triton does on a GPU (an 8-bit ``reshape`` that could not change the
     element count failed only there), and so must the merge kernel. A subprocess without ``TRITON_INTERPRET`` (the
     interpreter's kernels cannot be compiled)."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = dict(line.split() for line in run.stdout.split("\n") if line)
+    shared = dict(line.split() for line in run_without_interpreter(_COMPILE_SM90).split("\n") if line)
     assert sorted(shared) == ["0-0", "0-1", "0-2", "2-1", "4-2", "8-0", "merge"]
     assert all(int(v) > 0 for v in shared.values())
 

@@ -5,13 +5,12 @@ read of a quantised tier dispatches."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_without_interpreter
 from test_kernels import N_SINK, PADS, WINDOW, H, _assert_close, _case
 from torch._dynamo.backends.debugging import aot_eager
 
@@ -160,18 +159,9 @@ def test_4bit_operator_passes_opcheck():
 
 
 _COMPILE_SM90 = """
-import inspect, triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import triton.language as tl
+from sm90 import compile_sm90
 from pikv_hf.kernels import decode_quant, dequant
-
-
-def compile(kernel, fn, types, const, default):
-    names = list(inspect.signature(fn).parameters)
-    sig = {n: "constexpr" if n in const else types.get(n, default) for n in names}
-    src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options={"num_warps": 4, "num_stages": 3})
-
 
 types = {"q_ptr": "*bf16", "kq_ptr": "*u8", "vq_ptr": "*u8", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8",
          "count_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -180,11 +170,11 @@ types |= dict.fromkeys(("table_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*
 for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
     const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, HAS_LEN=True, HAS_FULL=True, HAS_SLIDING=True,
                  DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=group, SPAN=4096, BLOCK_N=block_n)
-    k = compile(decode_quant._split_q4_kernel, decode_quant._split_q4_kernel_fn, types, const, "i32")
+    k = compile_sm90(decode_quant._split_q4_kernel, types, const, num_warps=4, num_stages=3)
     print(f"q4-{page}", k.metadata.shared)
 types = dict.fromkeys(("kq_ptr", "vq_ptr"), "*u8") | dict.fromkeys(("k_out_ptr", "v_out_ptr"), "*bf16")
 const = dict(P=64, DK=128, DV=128, BITS=4, GROUP=64, BLOCK_P=16, BLOCK_BK=64, BLOCK_BV=64)
-k = compile(dequant._dequant_kernel, dequant._dequant_kernel.fn, types, const, "*fp16")
+k = compile_sm90(dequant._dequant_kernel, types, const, "*fp16", num_warps=4, num_stages=3)
 print("dequant", k.metadata.shared)
 """
 
@@ -194,11 +184,7 @@ def test_4bit_kernels_compile_for_sm90_without_a_gpu():
     nibble halves): the 4-bit decode kernel (a tile in one page and over several pages, one to four value groups)
     and the dequantisation kernel must compile for sm_90 with bfloat16 dots, in a subprocess without
     ``TRITON_INTERPRET``."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = dict(line.split() for line in run.stdout.split("\n") if line)
+    built = dict(line.split() for line in run_without_interpreter(_COMPILE_SM90).split("\n") if line)
     assert sorted(built) == ["dequant", "q4-128", "q4-16", "q4-64"]
     assert all(int(built[name]) > 0 for name in ("q4-128", "q4-16", "q4-64"))  # the dots stage tiles in shared memory
 

@@ -27,6 +27,7 @@ reads only shapes (no ``.item()``): the step does not synchronise.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,8 @@ _MIN_SPLIT_SLOTS = 256  # fewest slots worth a split of their own
 _MAX_SPLITS = 64
 _TUNE_FROM_SLOTS = 1024  # table rows of at least this many slots launch the autotuned kernel (CUDA)
 _LOG2E = 1.4426950408889634
+# (BLOCK_N, warps, stages) the autotuned kernel tries on CUDA
+_CONFIGS = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3))
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
@@ -317,11 +320,7 @@ _split_kernel = jit(_split_kernel_fn)
 _split_kernel_tuned = None  # on CUDA: the same kernel autotuned over tile sizes, warps and pipeline stages
 if HAVE_TRITON and not interpreted(_split_kernel):
     _split_kernel_tuned = triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-            for n, w, s in ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2),
-                            (128, 8, 3))
-        ],  # fmt: skip
+        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in _CONFIGS],
         key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL", "HAS_LEN", "SPAN", "TABLE"],
     )(triton.jit(_split_kernel_fn))
 # the autotuner's key (and the argument dtypes) -> its best configuration's launch options, filled by the first call
@@ -411,6 +410,77 @@ def v_dim_of(v: torch.Tensor, bits: int) -> int:
     return v.shape[-1] * 8 // bits if bits else v.shape[-1]
 
 
+class _Geometry(NamedTuple):
+    """Shape numbers of one decode launch: the query ``[b, hq, q, dk]``, value dim ``dv``, a table of ``h`` KV heads
+    and ``n`` pages of ``page`` slots (``n_slots`` per row, in ``splits`` splits, ``span`` the power of two above one
+    split's slots), ``rows = g * q`` query rows per KV head in ``row_tiles`` tiles of ``block_r``; ``reads``: some
+    slot to read (else no split kernel runs)."""
+
+    b: int
+    hq: int
+    q: int
+    dk: int
+    dv: int
+    h: int
+    n: int
+    page: int
+    g: int
+    rows: int
+    block_r: int
+    row_tiles: int
+    n_slots: int
+    splits: int
+    span: int
+    reads: bool
+
+
+def _geometry(query: torch.Tensor, page: int, h: int, n: int, dv: int, num_splits: int) -> _Geometry:
+    """The :class:`_Geometry` of a launch (shapes only; ``num_splits <= 0``: :func:`auto_splits`)."""
+    b, hq, q, dk = query.shape
+    g, rows = hq // h, hq // h * q
+    block_r = min(_MAX_BLOCK_R, max(16, next_power_of_2(rows)))
+    row_tiles = cdiv(rows, block_r)
+    n_slots = n * page
+    if num_splits <= 0:
+        num_splits = auto_splits(query.device, b * h * row_tiles, n_slots)
+    splits = max(1, min(num_splits, cdiv(n_slots, 16)))
+    span = next_power_of_2(cdiv(n_slots, splits))
+    reads = n_slots > 0 and b * h > 0
+    return _Geometry(b, hq, q, dk, dv, h, n, page, g, rows, block_r, row_tiles, n_slots, splits, span, reads)
+
+
+def _partials(geo: _Geometry, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1's outputs ``(o [B * H, splits, rows, Dv], lse [B * H, splits, rows], counts [B * H, splits])``:
+    uninitialised for the split kernel to write, or the empty partials when there is nothing to read."""
+    o_part = torch.empty(geo.b * geo.h, geo.splits, geo.rows, geo.dv, dtype=torch.float32, device=dev)
+    lse_part = torch.empty(geo.b * geo.h, geo.splits, geo.rows, dtype=torch.float32, device=dev)
+    counts = torch.empty(geo.b * geo.h, geo.splits, dtype=torch.int32, device=dev)
+    if not geo.reads:  # nothing to read: empty partials (the sinks still merge)
+        o_part.zero_()
+        lse_part.fill_(float("-inf"))
+        counts.zero_()
+    return o_part, lse_part, counts
+
+
+def _merge(
+    geo: _Geometry, o_part: torch.Tensor, lse_part: torch.Tensor, counts: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2 (``_merge_kernel``) on the partials of :func:`_partials`: ``(o, lse, attended)`` of the operator."""
+    b, h, rows, splits, dev = geo.b, geo.h, geo.rows, geo.splits, o_part.device
+    o = torch.empty(b, geo.hq, geo.q, geo.dv, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, geo.hq, geo.q, dtype=torch.float32, device=dev)
+    attended = torch.empty(b, h, dtype=torch.int64, device=dev)
+    check_launchable(_merge_kernel, dev)
+    _merge_kernel[(b * h * rows,)](
+        o_part, lse_part, lse_part if sinks is None else sinks, counts, o, lse, attended, h, splits,
+        R=rows, G=geo.g, Q=geo.q, DV=geo.dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(geo.dv)),
+        HAS_SINKS=sinks is not None,
+    )  # fmt: skip
+    if rows == 0:  # no merge program ran
+        attended.copy_(counts.view(b, h, splits).sum(-1))
+    return o, lse, attended
+
+
 def _launch(
     query, k, v, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
     scale, n_sink, window, sliding_window, bits, group, num_splits, run_start, width,
@@ -422,30 +492,16 @@ def _launch(
     pages, page_full, lengths, run_start = (
         None if t is None else t.contiguous() for t in (pages, page_full, lengths, run_start)
     )
-    b, hq, q, dk = query.shape
     h, n = (pages.shape[1], pages.shape[2]) if pages is not None else (run_start.shape[1], width)
-    page = pos.shape[1]
-    dv, dev = v_dim_of(v, bits), query.device
-    g, rows = hq // h, hq // h * q
-    block_r = min(_MAX_BLOCK_R, max(16, next_power_of_2(rows)))
-    row_tiles = cdiv(rows, block_r)
-    n_slots = n * page
-    if num_splits <= 0:
-        num_splits = auto_splits(dev, b * h * row_tiles, n_slots)
-    splits = max(1, min(num_splits, cdiv(n_slots, 16)))
-    o_part = torch.empty(b * h, splits, rows, dv, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(b * h, splits, rows, dtype=torch.float32, device=dev)
-    counts = torch.empty(b * h, splits, dtype=torch.int32, device=dev)
-    if n_slots == 0 or b * h == 0:  # nothing to read: empty partials (the sinks still merge)
-        o_part.zero_()
-        lse_part.fill_(float("-inf"))
-        counts.zero_()
-    else:
+    geo = _geometry(query, pos.shape[1], h, n, v_dim_of(v, bits), num_splits)
+    dev = query.device
+    o_part, lse_part, counts = _partials(geo, dev)
+    if geo.reads:
         check_launchable(_split_kernel, dev)
         if page_full is not None and row_start is None:
-            row_start = torch.zeros(b, dtype=torch.int64, device=dev)
+            row_start = torch.zeros(geo.b, dtype=torch.int64, device=dev)
         unused = qpos  # pointer of an absent optional input (its constexpr switch keeps it unread)
-        tuned = _split_kernel_tuned is not None and n_slots >= _TUNE_FROM_SLOTS
+        tuned = _split_kernel_tuned is not None and geo.n_slots >= _TUNE_FROM_SLOTS
         dot_dtype = _dot_dtype(query.dtype, interpreted(_split_kernel))
         tensors = (
             query, k, v, *(unused if t is None else t for t in (k_scale, k_zero, v_scale, v_zero)), pos,
@@ -455,38 +511,27 @@ def _launch(
         )  # fmt: skip
         table = 0 if run_start is None else 1 if pages is not None else 2
         consts = dict(
-            G=g, Q=q, PAGE=page, DK=dk, DV=dv, BLOCK_R=block_r, BLOCK_DK=max(16, next_power_of_2(dk)),
-            BLOCK_DV=max(16, next_power_of_2(dv)), HAS_LEN=lengths is not None, HAS_FULL=page_full is not None,
-            HAS_SLIDING=sliding_window > 0, DOT_DTYPE=dot_dtype,
-            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", BITS=bits, GROUP=max(group, 1), TABLE=table,
-            SPAN=next_power_of_2(cdiv(n_slots, splits)) if tuned else 1,
+            G=geo.g, Q=geo.q, PAGE=geo.page, DK=geo.dk, DV=geo.dv, BLOCK_R=geo.block_r,
+            BLOCK_DK=max(16, next_power_of_2(geo.dk)), BLOCK_DV=max(16, next_power_of_2(geo.dv)),
+            HAS_LEN=lengths is not None, HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window > 0,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", BITS=bits,
+            GROUP=max(group, 1), TABLE=table, SPAN=geo.span if tuned else 1,
         )  # fmt: skip
-        grid = (b * h, splits, row_tiles)
-        scalars = (query.stride(0), query.stride(1), query.stride(2), h, n, splits, n_sink, window, sliding_window,
+        grid = (geo.b * h, geo.splits, geo.row_tiles)
+        scalars = (query.stride(0), query.stride(1), query.stride(2), h, n, geo.splits, n_sink, window, sliding_window,
                    scale * _LOG2E)  # fmt: skip
         if not tuned:
             _split_kernel[grid](*tensors, *scalars, **consts, BLOCK_N=_BLOCK_N, num_warps=4, num_stages=2)
         else:
-            key = (page, dk, dv, block_r, bits, consts["HAS_FULL"], consts["HAS_LEN"], consts["SPAN"], table,
-                   *(t.dtype for t in tensors))  # fmt: skip
+            key = (geo.page, geo.dk, geo.dv, geo.block_r, bits, consts["HAS_FULL"], consts["HAS_LEN"], consts["SPAN"],
+                   table, *(t.dtype for t in tensors))  # fmt: skip
             config = _TUNED.get(key)
             if config is None:  # first call of this key: the autotuner picks (and compiles) the configuration
                 _split_kernel_tuned[grid](*tensors, *scalars, **consts)
                 _TUNED[key] = _split_kernel_tuned.best_config.all_kwargs()
             else:  # then the jitted kernel is launched with it directly, without the autotuner's per-call work
                 _split_kernel_tuned.fn[grid](*tensors, *scalars, **consts, **config)
-    o = torch.empty(b, hq, q, dv, dtype=torch.float32, device=dev)
-    lse = torch.empty(b, hq, q, dtype=torch.float32, device=dev)
-    attended = torch.empty(b, h, dtype=torch.int64, device=dev)
-    check_launchable(_merge_kernel, dev)
-    _merge_kernel[(b * h * rows,)](
-        o_part, lse_part, lse_part if sinks is None else sinks, counts, o, lse, attended, h, splits,
-        R=rows, G=g, Q=q, DV=dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(dv)),
-        HAS_SINKS=sinks is not None,
-    )  # fmt: skip
-    if rows == 0:  # no merge program ran
-        attended.copy_(counts.view(b, h, splits).sum(-1))
-    return o, lse, attended
+    return _merge(geo, o_part, lse_part, counts, sinks)
 
 
 def global_pages(

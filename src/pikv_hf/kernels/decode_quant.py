@@ -49,7 +49,8 @@ the ``[BLOCK_N, D]`` tile:
 The bytes read per slot and KV head are ``(Dk + Dv) / 2`` of codes, ``4 * Dv / G`` of value scales and zeros and
 ``4 * Dk / P`` of key scales and zeros (float16), against ``2 * (Dk + Dv)`` for bfloat16 K/V: 3.6x fewer at
 ``D = 128``, ``G = P = 64``; the per-element work is a mask or a shift and a conversion per code. The rest (tiles,
-splits, plan masks, the log-sum-exp merge) is ``decode.py``'s (``_tile``, ``_merge_kernel``, ``auto_splits``).
+splits, plan masks, the log-sum-exp merge) is ``decode.py``'s (``_tile``, ``_geometry`` with ``auto_splits``,
+``_partials``, ``_merge``).
 """
 
 from __future__ import annotations
@@ -58,17 +59,17 @@ from dataclasses import dataclass
 
 import torch
 
-from pikv_hf.kernels._host import cdiv, expect, next_power_of_2
+from pikv_hf.kernels._host import expect
 from pikv_hf.kernels._triton import HAVE_TRITON, check_launchable, interpreted, jit, tl, triton
 from pikv_hf.kernels.decode import (
     _LOG2E,
-    _MAX_BLOCK_R,
     _TUNE_FROM_SLOTS,
     _dot_dtype,
-    _merge_kernel,
+    _geometry,
+    _merge,
+    _partials,
     _reference_op,
     _tile,
-    auto_splits,
     check_decode_args,
     run_decode,
 )
@@ -295,10 +296,11 @@ def _split_q4_kernel_fn(
     acc_o = tl.zeros([BLOCK_R, HV], tl.float32)
     count = tl.zeros([BLOCK_N], tl.int32)
     for start in range(lo, hi, BLOCK_N):
+        # a table of global page ids (TABLE 0)
         page, slot, load, ok, pos = _tile(
             start, hi, row_table, 0, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
             PAGE, BLOCK_N, HAS_FULL, 0,
-        )  # fmt: skip  (a table of global page ids)
+        )  # fmt: skip
         kb = tl.load(kq_ptr + slot[:, None] * HK + ik[None, :], mask=load[:, None], other=0)
         if PAGE >= BLOCK_N:  # one page: its scales folded into the query, codes dotted as they are
             at = page.to(tl.int64) * DK + 2 * ik
@@ -385,55 +387,30 @@ def _launch_q4(
     """Both stages over 4-bit pages (the 4-bit split kernel, then ``decode.py``'s merge) on checked tensors:
     ``(o, lse, attended)`` as ``torch.ops.pikv.paged_decode`` (tables made contiguous as there)."""
     pages, page_full, lengths = (None if t is None else t.contiguous() for t in (pages, page_full, lengths))
-    b, hq, q, dk = query.shape
-    h, n = pages.shape[1], pages.shape[2]
-    page = pos.shape[1]
-    dv, dev = vq.shape[-1] * 2, query.device
-    g, rows = hq // h, hq // h * q
-    block_r = min(_MAX_BLOCK_R, max(16, next_power_of_2(rows)))
-    row_tiles = cdiv(rows, block_r)
-    n_slots = n * page
-    if num_splits <= 0:
-        num_splits = auto_splits(dev, b * h * row_tiles, n_slots)
-    splits = max(1, min(num_splits, cdiv(n_slots, 16)))
-    o_part = torch.empty(b * h, splits, rows, dv, dtype=torch.float32, device=dev)
-    lse_part = torch.empty(b * h, splits, rows, dtype=torch.float32, device=dev)
-    counts = torch.empty(b * h, splits, dtype=torch.int32, device=dev)
-    if n_slots == 0 or b * h == 0:  # nothing to read: empty partials (the sinks still merge)
-        o_part.zero_()
-        lse_part.fill_(float("-inf"))
-        counts.zero_()
-    else:
+    geo = _geometry(query, pos.shape[1], pages.shape[1], pages.shape[2], vq.shape[-1] * 2, num_splits)
+    dev = query.device
+    o_part, lse_part, counts = _partials(geo, dev)
+    if geo.reads:
         check_launchable(_split_q4_kernel, dev)
         if page_full is not None and row_start is None:
-            row_start = torch.zeros(b, dtype=torch.int64, device=dev)
+            row_start = torch.zeros(geo.b, dtype=torch.int64, device=dev)
         unused = pages  # pointer of an absent optional input (its constexpr switch keeps it unread)
-        tuned = _split_q4_kernel_tuned is not None and n_slots >= _TUNE_FROM_SLOTS
+        tuned = _split_q4_kernel_tuned is not None and geo.n_slots >= _TUNE_FROM_SLOTS
         kernel = _split_q4_kernel_tuned if tuned else _split_q4_kernel
         dot_dtype = _dot_dtype(query.dtype, interpreted(_split_q4_kernel))
         fixed = {} if tuned else dict(BLOCK_N=_Q4_BLOCK_N, num_warps=4, num_stages=2)
-        kernel[(b * h, splits, row_tiles)](
+        kernel[(geo.b * geo.h, geo.splits, geo.row_tiles)](
             query, kq, vq, k_scale, k_zero, v_scale, v_zero, pos, valid.view(torch.uint8), pages,
             unused if lengths is None else lengths, unused if page_full is None else page_full.view(torch.uint8),
             unused if row_start is None else row_start, qpos, o_part, lse_part, counts,
-            query.stride(0), query.stride(1), query.stride(2), h, n, splits, n_sink, window, sliding_window,
-            scale * _LOG2E, G=g, Q=q, PAGE=page, DK=dk, DV=dv, BLOCK_R=block_r,
-            HAS_LEN=lengths is not None, HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window > 0,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", GROUP=group,
-            SPAN=next_power_of_2(cdiv(n_slots, splits)) if tuned else 1, **fixed,
+            query.stride(0), query.stride(1), query.stride(2), geo.h, geo.n, geo.splits, n_sink, window,
+            sliding_window, scale * _LOG2E, G=geo.g, Q=geo.q, PAGE=geo.page, DK=geo.dk, DV=geo.dv,
+            BLOCK_R=geo.block_r, HAS_LEN=lengths is not None, HAS_FULL=page_full is not None,
+            HAS_SLIDING=sliding_window > 0, DOT_DTYPE=dot_dtype,
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", GROUP=group, SPAN=geo.span if tuned else 1,
+            **fixed,
         )  # fmt: skip
-    o = torch.empty(b, hq, q, dv, dtype=torch.float32, device=dev)
-    lse = torch.empty(b, hq, q, dtype=torch.float32, device=dev)
-    attended = torch.empty(b, h, dtype=torch.int64, device=dev)
-    check_launchable(_merge_kernel, dev)
-    _merge_kernel[(b * h * rows,)](
-        o_part, lse_part, lse_part if sinks is None else sinks, counts, o, lse, attended, h, splits,
-        R=rows, G=g, Q=q, DV=dv, BLOCK_S=next_power_of_2(splits), BLOCK_DV=max(16, next_power_of_2(dv)),
-        HAS_SINKS=sinks is not None,
-    )  # fmt: skip
-    if rows == 0:  # no merge program ran
-        attended.copy_(counts.view(b, h, splits).sum(-1))
-    return o, lse, attended
+    return _merge(geo, o_part, lse_part, counts, sinks)
 
 
 _Q4_SCHEMA = (
