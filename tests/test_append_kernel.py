@@ -195,8 +195,9 @@ types = dict.fromkeys(("shard_ptr", "row_start_ptr", "pos_ptr", "open_page_ptr",
 types |= dict.fromkeys(("key_ptr", "value_ptr", "key_pool_ptr", "value_pool_ptr", "bias_pool_ptr"), "*bf16")
 types |= dict.fromkeys(("sum_ptr", "sq_ptr", "min_ptr", "max_ptr"), "*fp32")
 types |= {"pos_pool_ptr": "*i32", "valid_pool_ptr": "*i1", "page_shard_ptr": "*i32"}
-for flags in ((True, False, False, True, True), (False, True, True, False, False)):
-    const = dict(zip(("HAS_SHARD", "HAS_ROW_START", "SATURATE", "WRITE_KV", "SUMMARY"), flags))
+for flags in ((True, False, False, True, True, True), (False, True, True, False, False, False),
+              (True, True, False, True, True, False)):  # fmt: skip
+    const = dict(zip(("HAS_SHARD", "HAS_ROW_START", "SATURATE", "WRITE_KV", "SUMMARY", "BOUNDS"), flags))
     const |= dict(BLOCK_DK=128, BLOCK_DV=128)
     compile_sm90(append._append_one_kernel, types, const, num_warps=1)
     print("ok")
@@ -204,8 +205,9 @@ for flags in ((True, False, False, True, True), (False, True, True, False, False
 
 
 def test_kernel_compiles_for_sm90_without_a_gpu():
-    """The CUDA front end (stricter than the interpreter) compiles both flag sets of the kernel for sm_90."""
-    assert run_without_interpreter(_COMPILE_SM90).split() == ["ok", "ok"]
+    """The CUDA front end (stricter than the interpreter) compiles the kernel's flag sets for sm_90 (sums with and
+    without bounds)."""
+    assert run_without_interpreter(_COMPILE_SM90).split() == ["ok", "ok", "ok"]
 
 
 def test_round_robin_counts_once_per_page_with_one_page_of_room():
