@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pikv_hf.attention.codes import quant_decode
 from pikv_hf.attention.merge import merge_partials, sink_partial
 from pikv_hf.attention.reference import _SCORE_BUDGET_BYTES, allowed_mask, masked_attention
 from pikv_hf.read.plan import ReadPlan, sink_or_recent
@@ -272,14 +273,13 @@ class TorchBackend:
         count: bool,
         newest: bool,
     ) -> Partial:
-        """A decode token through the flash kernel; the mask is the slots' stored ``bias``, restricted by the plan's
-        pages and the sliding window where they apply."""
+        """A decode token through the flash kernel (quantised pages: read as codes, ``attention.codes``); the mask is
+        the slots' stored ``bias``, restricted by the plan's pages and the sliding window where they apply."""
         restricted = plan.page_full is not None or sliding_window is not None
         whole = not plan.exact and store.page_size == 1 and not restricted  # planned one-token pages all hold one
         names = (*store.kv_fields, *(() if whole else ("bias",)), *(("pos",) if restricted else ()))
         fields, present = self._plan_fields(store, plan, names)
-        keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
-        if keys.shape[2] == 0:  # a store with no page yet (a partition): no key, a partial that merges away
+        if fields[store.kv_fields[0]].shape[2] == 0:  # a store with no page yet (a partition): a partial merging away
             b, hq = query.shape[:2]
             none = torch.zeros(store.batch, store.heads, dtype=torch.int64, device=query.device) if count else None
             empty = query.new_zeros(b, hq, 1, store.v_dim, dtype=torch.float32)
@@ -302,7 +302,11 @@ class TorchBackend:
             if keep is not None:
                 bias = bias.masked_fill(~keep, float("-inf"))
             attended = (bias == 0).sum(-1) if count else None
-        o, lse = fused_decode(query, keys, values, bias, scale, check_empty=not newest, attended=attended)
+        if store.codec.code_bits is not None:
+            o, lse = quant_decode(query, fields, bias, scale, store.codec.code_bits)
+        else:
+            keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
+            o, lse = fused_decode(query, keys, values, bias, scale, check_empty=not newest, attended=attended)
         if sinks is not None:
             o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
         return Partial(o, lse, attended=attended)

@@ -51,6 +51,11 @@ class QuantCodec(Codec):
         self.bits, self.group, self.scale_dtype = bits, group, scale_dtype
         self.dtype = torch.float32
 
+    @property
+    def code_bits(self) -> int:
+        """A CPU decode reads the pages as codes (``pikv_hf.attention.codes``)."""
+        return self.bits
+
     def fields(self, k_dim: int, v_dim: int, dtype: torch.dtype) -> dict[str, FieldSpec]:
         check_quant_args(self.bits, self.group, v_dim)
         per = 8 // self.bits

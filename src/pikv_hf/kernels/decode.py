@@ -35,7 +35,6 @@ from pikv_hf.attention.reference import allowed_mask, masked_attention
 from pikv_hf.kernels._host import cdiv, check_pages_in_range, expect, next_power_of_2
 from pikv_hf.kernels._triton import HAVE_TRITON, check_launchable, interpreted, jit, tl, triton
 from pikv_hf.kernels.gather import gather_pages_reference
-from pikv_hf.read.plan import sink_or_recent
 
 _INT = (torch.int32, torch.int64)
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -843,6 +842,8 @@ def _reference_slots(
     pos_s = gather_pages_reference(pos, pages).view(b, h, n * p)
     ok = gather_pages_reference(valid, pages).view(b, h, n * p) & (pages >= 0).repeat_interleave(p, dim=-1)
     if page_full is not None:
+        from pikv_hf.read.plan import sink_or_recent  # here: pikv_hf.read imports the codecs, which import kernels
+
         start = torch.zeros(b, dtype=torch.int64, device=pos.device) if row_start is None else row_start
         ok &= page_full.repeat_interleave(p, dim=-1) | sink_or_recent(pos_s, qpos[-1], n_sink, window, start)
     return ok, pos_s

@@ -1,0 +1,117 @@
+"""A decode token's attention over quantised pages read as codes, in torch: the CPU read of a QuantPress tier.
+
+Decoding the pages first (``dequantize_pages``: every code times its scale plus its zero, in float32) and then
+attending writes and reads the dense K/V once more than the attention itself; on one CPU thread at 8k tokens it is
+two thirds of the read. Here the scales are folded in where the KIVI layout (``pikv_hf.codecs.quant``) makes that
+exact, as the 4-bit Triton kernel does:
+
+- keys, per page ``n`` and channel ``c``: ``k[t, c] = s[n, c] * code[t, c] + z[n, c]``, so
+  ``q . k_t = sum_j (q * s_n)[j::per] . field_j(code_t) + q . z_n`` with ``field_j`` the ``j``-th code of every byte
+  (channel ``per * i + j``; ``per = 8 // bits``): one small matmul per code field and page, on the codes converted
+  to float, no interleave;
+- values, per token ``t`` and group ``g`` of channels: ``sum_t p_t v[t, c] = sum_t (p_t s[t, g]) field_j(code_t)
+  + sum_t p_t z[t, g]``: the probabilities are scaled once per group.
+
+The same numbers as decoding then attending in float32, up to the order of the sums. It is one torch custom
+operator, ``torch.ops.pikv.quant_decode`` (CPU; on CUDA the Triton backend reads the codes with
+``torch.ops.pikv.paged_decode_q4``), called directly in eager code and traced under ``torch.compile``
+(``kernels._triton.eager_direct``): a dispatch mode (``benchmarks/count_ops.py``) counts the read as the one kernel it
+is on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pikv_hf.kernels._triton import eager_direct
+
+
+def _field(codes: torch.Tensor, j: int, bits: int) -> torch.Tensor:
+    """The ``j``-th ``bits``-bit code of every byte of ``codes`` (low bits first), as float32."""
+    if bits == 8:
+        return codes.float()
+    shifted = codes >> (j * bits) if j else codes
+    return (shifted & ((1 << bits) - 1)).float()
+
+
+def quant_decode(
+    query: torch.Tensor, fields: dict[str, torch.Tensor], bias: torch.Tensor, scale: float, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token over quantised pages.
+
+    Parameters
+    ----------
+    query : torch.Tensor
+        ``[B, Hq, 1, Dk]``; the ``Hq // H`` query heads of a KV head read its pages together.
+    fields : dict
+        The pages' codec fields (``QuantCodec.fields``) over ``C = n * P`` slots of ``n`` pages: ``kq`` ``[B, H, C,
+        Dk * bits // 8]`` and ``vq`` ``[B, H, C, Dv * bits // 8]`` uint8 codes, ``k_scale`` / ``k_zero`` ``[B, H, n,
+        Dk]`` per page and channel, ``v_scale`` / ``v_zero`` ``[B, H, C, Dv // G]`` per slot and group of ``G``
+        channels.
+    bias : torch.Tensor
+        ``[B, H, C]`` additive mask, 0 (read) or ``-inf``.
+    scale : float
+        Softmax scale.
+    bits : int
+        Bits per code (2, 4 or 8).
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``o`` ``[B, Hq, 1, Dv]`` float32 and ``lse`` ``[B, Hq, 1]`` (``-inf`` and ``o = 0`` for a row with no slot
+        to read).
+    """
+    names = ("kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero")
+    return _quant_decode_eager(query, *(fields[name] for name in names), bias, scale, bits)
+
+
+def _quant_decode(
+    query: torch.Tensor, kq: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, vq: torch.Tensor,
+    v_scale: torch.Tensor, v_zero: torch.Tensor, bias: torch.Tensor, scale: float, bits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`quant_decode` on the fields as arguments (the operator's implementation)."""
+    b, hq, q, dk = query.shape
+    h, c = bias.shape[1], bias.shape[2]
+    n = k_scale.shape[2]
+    assert q == 1 and hq % h == 0 and n * (c // max(n, 1)) == c, (query.shape, bias.shape, k_scale.shape)
+    g, p, per = hq // h, c // max(n, 1), 8 // bits
+    qg = query.reshape(b, h, 1, g, dk).float()
+    k_scale = k_scale.unsqueeze(3)  # [B, H, n, 1, Dk]
+    kq = kq.view(b, h, n, p, -1)
+    scores = torch.matmul(k_zero.unsqueeze(3).float(), qg.transpose(-1, -2)).transpose(-1, -2)
+    for j in range(per):  # [B, H, n, G, P]
+        scores = scores + torch.matmul(qg[..., j::per] * k_scale[..., j::per], _field(kq, j, bits).transpose(-1, -2))
+    scores = scores.transpose(2, 3).reshape(b, h, g, c).mul_(scale).add_(bias.unsqueeze(2))
+    top = scores.amax(-1, keepdim=True)
+    top = top.masked_fill(torch.isneginf(top), 0.0)  # a row with nothing to read: every probability 0
+    probs = scores.sub_(top).exp_()
+    total = probs.sum(-1, keepdim=True)  # [B, H, G, 1]
+    lse = top + total.log()
+    groups = v_scale.shape[-1]
+    vq = vq.view(b, h, c, groups, -1).transpose(2, 3).contiguous()  # [B, H, NG, C, G / per]
+    weights = probs.unsqueeze(2) * v_scale.transpose(2, 3).unsqueeze(3)  # [B, H, NG, G, C]
+    o = torch.stack([torch.matmul(weights, _field(vq, j, bits)) for j in range(per)], -1).flatten(-2)
+    o = o + torch.matmul(probs, v_zero.float()).transpose(2, 3).unsqueeze(-1)  # [B, H, NG, G, G_v]
+    o = o.transpose(2, 3).reshape(b, h, g, -1).div_(total.clamp(min=torch.finfo(torch.float32).tiny))
+    return o.reshape(b, hq, 1, -1), lse.reshape(b, hq, 1)
+
+
+quant_decode_op = torch.library.custom_op("pikv::quant_decode", _quant_decode, mutates_args=(), device_types="cpu")
+
+
+@quant_decode_op.register_fake
+def _quant_decode_fake(query, kq, k_scale, k_zero, vq, v_scale, v_zero, bias, scale, bits):
+    b, hq, q, _ = query.shape
+    dv = vq.shape[-1] * (8 // bits)
+    return query.new_empty(b, hq, q, dv, dtype=torch.float32), query.new_empty(b, hq, q, dtype=torch.float32)
+
+
+_quant_decode_direct = eager_direct(quant_decode_op, _quant_decode, _quant_decode)
+
+
+def _quant_decode_eager(*args):
+    """The implementation under ``torch.compile`` (traced: inductor fuses it) and in eager code, the operator under
+    a dispatch mode."""
+    if torch.compiler.is_compiling():
+        return _quant_decode(*args)
+    return _quant_decode_direct(*args)
