@@ -1,6 +1,7 @@
 """The CPU torch path trims a routed plan (as wide as the frame) to the entries its operator counted in use
-(``ReadPlan.used``, no operator and one value read back) and reads the same as the untrimmed plan; a Quest plan, as
-wide as its budget, carries no count and is read as planned."""
+(``ReadPlan.used``, no operator and one value read back) and reads the same as the untrimmed plan; a Quest plan of
+one store, as wide as its budget, carries no count and is read as planned; Quest's plans over a store group (a 4-bit
+tier beside the hot store), as wide as each frame, carry their count."""
 
 from __future__ import annotations
 
@@ -68,6 +69,39 @@ def test_quest_plan_is_read_as_planned(monkeypatch):
     with count_ops.OpCounter() as counter:
         assert trimmed(plan) is plan
     assert counter.dispatched == 0
+
+
+def test_quest_group_plans_over_a_4bit_tier_are_trimmed_and_read_the_same(monkeypatch):
+    """Quest over a hot store and a 4-bit tier selects from one budget over both (``group_plans``): each store's plan
+    is as wide as its frame, its pages first; on the CPU it carries the count in use, so the 4-bit tier's read is
+    trimmed to the pages Quest took (not the whole tier, all but a fraction masked), with the same result."""
+    from pikv_hf.presses import QuantPress
+    from pikv_hf.tiny import tiny_model
+
+    model = tiny_model("llama", seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 400), generator=torch.Generator().manual_seed(2))
+    cache = PiKVCache(model, attention="quest", read_fraction=0.125, page_size=16, sparse_from=0)
+    with torch.no_grad(), QuantPress(bits=4, group_size=16, window=8)(model):
+        model(ids, past_key_values=cache)
+    seen = []
+    real = TorchBackend.attend
+
+    def spy(self, query, store, plan, *args, **kw):
+        seen.append((self, query, store, plan, args, kw))
+        return real(self, query, store, plan, *args, **kw)
+
+    monkeypatch.setattr(TorchBackend, "attend", spy)
+    with torch.no_grad():
+        model(torch.tensor([[5]]), past_key_values=cache)
+    monkeypatch.setattr(TorchBackend, "attend", real)
+    tier = [s for s in seen if s[2].codec.code_bits == 4 and s[3].pages is not None]
+    assert len(tier) == model.config.num_hidden_layers
+    for backend, query, store, plan, args, kw in tier:
+        used = int((plan.pages >= 0).sum(-1).max())
+        assert plan.used.tolist() == [used] and 0 < used < plan.pages.shape[-1] // 2
+        short = TorchBackend.attend(backend, query, store, plan, *args, **kw)
+        whole = TorchBackend.attend(backend, query, store, dataclasses.replace(plan, used=None), *args, **kw)
+        assert (short.o - whole.o).abs().max() < 1e-5 and (short.lse - whole.lse).abs().max() < 1e-5
 
 
 def test_quest_plan_of_a_reserved_cpu_store_is_sized_by_the_pages_in_use():

@@ -79,6 +79,16 @@ class QuestRead(SparseRead):
         plans, start = [], 0
         for s, x in zip(stores, scores, strict=True):  # each store's plan: a contiguous [B, H, W] view of the output
             n = x.numel()
-            plans.append(ReadPlan(flat[start : start + n].view(x.shape).to(s.device)))
+            pages = flat[start : start + n].view(x.shape).to(s.device)
+            plans.append(ReadPlan(pages, used=_used(pages)))
             start += n
         return plans
+
+
+def _used(pages: torch.Tensor) -> torch.Tensor | None:
+    """``ReadPlan.used`` of a group plan (each row's pages first, as wide as the store's frame), on the CPU outside
+    compiled code, where the read trims the padding (``attention.backend.trimmed``): a Quest + 4-bit read of 8k tokens
+    would otherwise attend the whole 4-bit tier with all but an eighth masked; elsewhere None (no operator)."""
+    if pages.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return (pages >= 0).sum(-1).amax().view(1)
