@@ -106,6 +106,62 @@ def _tile(
 
 
 @jit
+def _program(qpos_ptr, H, G: tl.constexpr, Q: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A split program's place: ``(b * H + h, split, row tile)`` -> ``bh``, ``b``, ``h``, its query rows ``rows``
+    (row ``r``: query head ``h * G + r // Q``, token ``r % Q``), which exist, their token ``qi``, that token's
+    position and the last token's position."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    qi = rows % Q
+    qpos_rows = tl.load(qpos_ptr + qi).to(tl.int32)
+    qpos_last = tl.load(qpos_ptr + Q - 1).to(tl.int32)
+    return bh, bh // H, bh % H, rows, rows < G * Q, qi, qpos_rows, qpos_last
+
+
+@jit
+def _split_slots(len_ptr, bh, n_table, num_splits, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEN: tl.constexpr):
+    """The slots ``[lo, hi)`` of table row ``bh`` this program's split reads (whole tiles per split)."""
+    if HAS_LEN:
+        n_slots = tl.load(len_ptr + bh).to(tl.int32) * PAGE
+    else:
+        n_slots = n_table * PAGE
+    per_split = tl.cdiv(tl.cdiv(n_slots, num_splits), BLOCK_N) * BLOCK_N
+    lo = tl.program_id(1) * per_split
+    return lo, tl.minimum(lo + per_split, n_slots)
+
+
+@jit
+def _online_softmax(s, ok, pos, qpos_rows, qpos_last, m_i, count, sliding_window, HAS_SLIDING: tl.constexpr):
+    """One tile of the online softmax (base 2): logits ``s`` ``[BLOCK_R, BLOCK_N]`` masked to the slots the plan
+    reads at or before each row's position (and within the sliding window) -> the tile's probabilities ``p``, the
+    rescale ``alpha`` of what came before, the new running max, and ``count`` plus the slots the last token
+    attends."""
+    attend = ok[None, :] & (pos[None, :] <= qpos_rows[:, None])
+    last = ok & (pos <= qpos_last)
+    if HAS_SLIDING:
+        attend = attend & (qpos_rows[:, None] - pos[None, :] < sliding_window)
+        last = last & (qpos_last - pos < sliding_window)
+    s = tl.where(attend, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return tl.exp2(s - m_safe[:, None]), tl.exp2(m_i - m_safe), m_new, count + last.to(tl.int32)
+
+
+@jit
+def _store_split(lse_ptr, count_ptr, bh, rows, row_ok, m_i, l_i, count, G: tl.constexpr, Q: tl.constexpr):
+    """Store a split's ``lse`` (natural log; ``-inf`` where nothing was read) and attended count; returns the
+    partial's row ids (for its ``o``) and ``1 / l`` per row."""
+    split, num = tl.program_id(1), tl.num_programs(1)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(l_i > 0, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
+    part = (bh * num + split).to(tl.int64) * (G * Q) + rows
+    tl.store(lse_ptr + part, lse, mask=row_ok)
+    if tl.program_id(2) == 0:
+        tl.store(count_ptr + bh * num + split, tl.sum(count, 0))
+    return part, 1.0 / tl.maximum(l_i, 1e-30)
+
+
+@jit
 def _codes(codes_ptr, slot, c, mask, BYTES: tl.constexpr, BITS: tl.constexpr):
     """``[BLOCK_N, BLOCK_D]`` float32 codes of channels ``c`` of flat slots ``slot`` (``decode_quant`` layout)."""
     byte = tl.load(codes_ptr + slot[:, None] * BYTES + (c // (8 // BITS))[None, :], mask=mask, other=0)
@@ -250,27 +306,14 @@ def _split_kernel_fn(
     split of the table's width) is read by the autotuner only: a key, so that a short read (a sparse plan's
     narrow table, fewer tokens) gets its own tile / warp / stage choice instead of the one tuned on the first
     shape."""
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
-    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < G * Q
-    qi = rows % Q
-    qpos_rows = tl.load(qpos_ptr + qi).to(tl.int32)
-    qpos_last = tl.load(qpos_ptr + Q - 1).to(tl.int32)
+    bh, b, h, rows, row_ok, qi, qpos_rows, qpos_last = _program(qpos_ptr, H, G, Q, BLOCK_R)
     dk = tl.arange(0, BLOCK_DK)
     dv = tl.arange(0, BLOCK_DV)
     q_rows = b.to(tl.int64) * stride_qb + (h * G + rows // Q) * stride_qh + qi * stride_qt
     q = tl.load(q_ptr + q_rows[:, None] + dk[None, :], mask=row_ok[:, None] & (dk < DK)[None, :], other=0.0)
     q = q.to(DOT_DTYPE)
     row_start = tl.load(row_start_ptr + b).to(tl.int32) if HAS_FULL else 0
-    if HAS_LEN:
-        n_slots = tl.load(len_ptr + bh).to(tl.int32) * PAGE
-    else:
-        n_slots = n_table * PAGE
-    per_split = tl.cdiv(tl.cdiv(n_slots, num_splits), BLOCK_N) * BLOCK_N
-    lo = tl.program_id(1) * per_split
-    hi = tl.minimum(lo + per_split, n_slots)
+    lo, hi = _split_slots(len_ptr, bh, n_table, num_splits, PAGE, BLOCK_N, HAS_LEN)
     row_table = table_ptr + bh.to(tl.int64) * n_table
     run_first = tl.load(start_ptr + bh).to(tl.int64) if TABLE > 0 else 0
     full_row = full_ptr + bh.to(tl.int64) * n_table
@@ -288,31 +331,14 @@ def _split_kernel_fn(
             DK, DV, BLOCK_DK, BLOCK_DV, PAGE, BLOCK_N, BITS, GROUP,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-        attend = ok[None, :] & (pos[None, :] <= qpos_rows[:, None])
-        if HAS_SLIDING:
-            attend = attend & (qpos_rows[:, None] - pos[None, :] < sliding_window)
-        s = tl.where(attend, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        p, alpha, m_i, count = _online_softmax(
+            s, ok, pos, qpos_rows, qpos_last, m_i, count, sliding_window, HAS_SLIDING
+        )  # fmt: skip
         v = tl.where(ok[:, None], v.to(DOT_DTYPE), 0.0)  # slots not read may hold anything, even NaN
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        last = ok & (pos <= qpos_last)
-        if HAS_SLIDING:
-            last = last & (qpos_last - pos < sliding_window)
-        count += last.to(tl.int32)
-    split, num = tl.program_id(1), tl.num_programs(1)
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    lse = tl.where(l_i > 0, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
-    part = (bh * num + split).to(tl.int64) * (G * Q) + rows
-    tl.store(o_ptr + part[:, None] * DV + dv[None, :], o, mask=row_ok[:, None] & (dv < DV)[None, :])
-    tl.store(lse_ptr + part, lse, mask=row_ok)
-    if tl.program_id(2) == 0:
-        tl.store(count_ptr + bh * num + split, tl.sum(count, 0))
+    part, inv = _store_split(lse_ptr, count_ptr, bh, rows, row_ok, m_i, l_i, count, G, Q)
+    tl.store(o_ptr + part[:, None] * DV + dv[None, :], acc * inv[:, None], mask=row_ok[:, None] & (dv < DV)[None, :])
 
 
 _split_kernel = jit(_split_kernel_fn)

@@ -67,8 +67,12 @@ from pikv_hf.kernels.decode import (
     _dot_dtype,
     _geometry,
     _merge,
+    _online_softmax,
     _partials,
+    _program,
     _reference_op,
+    _split_slots,
+    _store_split,
     _tile,
     check_decode_args,
     run_decode,
@@ -267,27 +271,14 @@ def _split_q4_kernel_fn(
     HK: tl.constexpr = DK // 2
     HV: tl.constexpr = DV // 2
     NG: tl.constexpr = DV // GROUP
-    bh = tl.program_id(0)
-    b = bh // H
-    h = bh % H
-    rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < G * Q
-    qi = rows % Q
-    qpos_rows = tl.load(qpos_ptr + qi).to(tl.int32)
-    qpos_last = tl.load(qpos_ptr + Q - 1).to(tl.int32)
+    bh, b, h, rows, row_ok, qi, qpos_rows, qpos_last = _program(qpos_ptr, H, G, Q, BLOCK_R)
     ik = tl.arange(0, HK)
     iv = tl.arange(0, HV)
     q_rows = b.to(tl.int64) * stride_qb + (h * G + rows // Q) * stride_qh + qi * stride_qt
     q_e = tl.load(q_ptr + q_rows[:, None] + 2 * ik[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q_o = tl.load(q_ptr + q_rows[:, None] + 2 * ik[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
     row_start = tl.load(row_start_ptr + b).to(tl.int32) if HAS_FULL else 0
-    if HAS_LEN:
-        n_slots = tl.load(len_ptr + bh).to(tl.int32) * PAGE
-    else:
-        n_slots = n_table * PAGE
-    per_split = tl.cdiv(tl.cdiv(n_slots, num_splits), BLOCK_N) * BLOCK_N
-    lo = tl.program_id(1) * per_split
-    hi = tl.minimum(lo + per_split, n_slots)
+    lo, hi = _split_slots(len_ptr, bh, n_table, num_splits, PAGE, BLOCK_N, HAS_LEN)
     row_table = table_ptr + bh.to(tl.int64) * n_table
     full_row = full_ptr + bh.to(tl.int64) * n_table
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -324,15 +315,9 @@ def _split_q4_kernel_fn(
             k_o = ((kb >> 4).to(tl.float32) * ks_o + kz_o).to(DOT_DTYPE)
             s = tl.dot(q_e.to(DOT_DTYPE), tl.trans(k_e), input_precision=DOT_PRECISION)
             s = tl.dot(q_o.to(DOT_DTYPE), tl.trans(k_o), s, input_precision=DOT_PRECISION)
-        s = s * qk_scale
-        attend = ok[None, :] & (pos[None, :] <= qpos_rows[:, None])
-        if HAS_SLIDING:
-            attend = attend & (qpos_rows[:, None] - pos[None, :] < sliding_window)
-        s = tl.where(attend, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+        p, alpha, m_i, count = _online_softmax(
+            s * qk_scale, ok, pos, qpos_rows, qpos_last, m_i, count, sliding_window, HAS_SLIDING
+        )  # fmt: skip
         vb = tl.load(vq_ptr + slot[:, None] * HV + iv[None, :], mask=load[:, None], other=0)
         v_lo = (vb & 15).to(DOT_DTYPE)
         v_hi = (vb >> 4).to(DOT_DTYPE)
@@ -353,22 +338,10 @@ def _split_q4_kernel_fn(
                 acc_e += tl.where(in_g, o_e, 0.0)
                 acc_o += tl.where(in_g, o_o, 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        last = ok & (pos <= qpos_last)
-        if HAS_SLIDING:
-            last = last & (qpos_last - pos < sliding_window)
-        count += last.to(tl.int32)
-    split, num = tl.program_id(1), tl.num_programs(1)
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    inv = 1.0 / tl.maximum(l_i, 1e-30)
-    lse = tl.where(l_i > 0, (m_safe + tl.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, float("-inf"))
-    part = (bh * num + split).to(tl.int64) * (G * Q) + rows
+    part, inv = _store_split(lse_ptr, count_ptr, bh, rows, row_ok, m_i, l_i, count, G, Q)
     out = o_ptr + part[:, None] * DV + 2 * iv[None, :]
     tl.store(out, acc_e * inv[:, None], mask=row_ok[:, None])
     tl.store(out + 1, acc_o * inv[:, None], mask=row_ok[:, None])
-    tl.store(lse_ptr + part, lse, mask=row_ok)
-    if tl.program_id(2) == 0:
-        tl.store(count_ptr + bh * num + split, tl.sum(count, 0))
 
 
 _split_q4_kernel = jit(_split_q4_kernel_fn)
