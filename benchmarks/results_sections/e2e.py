@@ -318,10 +318,11 @@ def headline_e2e(rec: Recorder) -> tuple[str, str, str] | None:
     p, r = E2E, _results_key(rec, 1)
     if r is None:
         return None
-    ratio = {m: rec.fig("r2", at(p, r + f"{m}.ms_ratio")) for m in ("exact", "quest_1_8", "routed", "quant4")}
-    quant = f"{ratio['quant4']}x"
+    ratio = {m: rec.fig("r2", at(p, r + f"{m}.ms_ratio")) for m in ("exact", "quest_1_8", "routed")}
     i = point_index(rec, QUANT_CODES, "smollm2", 1, 1, 8192) if rec.exists(QUANT_CODES) else None
-    if i is not None:  # the 4-bit ways were measured again once their read went to codes
+    if i is None:
+        quant = f"{rec.fig('r2', at(p, r + 'quant4.ms_ratio'))}x"
+    else:  # the 4-bit ways were measured again once their read went to codes
         quant = f"{rec.fig('r2', at(QUANT_CODES, f'points.{i}.results.quant4.ms_ratio'))}x (read as codes, a later run)"
     return (
         "Decode vs DynamicCache end to end, SmolLM2, 8192 tokens",

@@ -31,6 +31,12 @@ RECALL_GOAL, SCORE_GOAL, READ_GOAL = 0.95, 0.98, 0.25
 EVAL_DEFAULTS = {"num_shards": 8, "page_size": 16, "dense_layers": 0, "mass_target": None}
 
 
+def run_arguments(m: dict) -> dict:
+    """A run's ``pikv-hf eval`` arguments, the read settings that newer runs nest under ``read`` flattened in."""
+    a = dict(m["arguments"])
+    return {**(a.pop("read", None) or {}), **a}
+
+
 def frac(x: float) -> str:
     """A share such as 0.1875 as ``3/16``."""
     return str(Fraction(x).limit_denominator(256))
@@ -196,7 +202,7 @@ def quality_points(rec: Recorder) -> list[Point]:
     points = []
     for metrics in rec.glob(QUALITY_GLOB):
         m = rec.load(metrics)
-        a = {**EVAL_DEFAULTS, **{k: v for k, v in m["arguments"].items() if v is not None}}
+        a = {**EVAL_DEFAULTS, **{k: v for k, v in run_arguments(m).items() if v is not None}}
         args = tuple((k, a[k]) for k in EVAL_DEFAULTS)
         run = str(Path(metrics).parent)
         for pt in sorted({(r["press"], r["ratio"], r["length"]) for r in m["per_task"]}):
@@ -309,7 +315,7 @@ def routing_quality(rec: Recorder) -> Body:
     lengths = ", ".join(str(n) for n in sorted(refs))
     one = f"Settings that meet the goal at every length ({lengths}):\n" + ("\n".join(settings) or "none")
     commands = [run_command(r, m) for r, m in zip(runs, metrics, strict=True)]
-    sinks = sorted({(m["arguments"]["n_sink"], m["arguments"]["window"]) for m in metrics})
+    sinks = sorted({(run_arguments(m)["n_sink"], run_arguments(m)["window"]) for m in metrics})
     aware = {m["query_aware"] for m in metrics}
     return Body(
         measured=(
