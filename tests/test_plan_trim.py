@@ -22,13 +22,8 @@ import count_ops  # noqa: E402
 B, H, G, T, D = 2, 2, 3, 90, 16
 
 
-def _decode_plan(monkeypatch, **kwargs):
-    """One decode step of a layer-0 cache of ``T`` random tokens: the (backend, arguments) of its sparse attend."""
-    gen = torch.Generator().manual_seed(0)
-    cache = PiKVCache(tiny_config("llama", num_attention_heads=H * G, num_key_value_heads=H, head_dim=D), **kwargs)
-    keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
-    cache.update(keys[:, :, :T], values[:, :, :T], 0)
-    cache.update(keys[:, :, T:], values[:, :, T:], 0)
+def _attends(monkeypatch, run) -> list[tuple]:
+    """The (backend, query, store, plan, args, kwargs) of every ``TorchBackend.attend`` call ``run()`` makes."""
     seen = []
     real = TorchBackend.attend
 
@@ -37,9 +32,20 @@ def _decode_plan(monkeypatch, **kwargs):
         return real(self, query, store, plan, *args, **kw)
 
     monkeypatch.setattr(TorchBackend, "attend", spy)
-    cache.layers[0].attend(torch.randn(B, H * G, 1, D, generator=gen), D**-0.5, None, None)
+    run()
     monkeypatch.setattr(TorchBackend, "attend", real)
-    return seen[-1]
+    return seen
+
+
+def _decode_plan(monkeypatch, **kwargs):
+    """One decode step of a layer-0 cache of ``T`` random tokens: the (backend, arguments) of its sparse attend."""
+    gen = torch.Generator().manual_seed(0)
+    cache = PiKVCache(tiny_config("llama", num_attention_heads=H * G, num_key_value_heads=H, head_dim=D), **kwargs)
+    keys, values = torch.randn(B, H, T + 1, D, generator=gen), torch.randn(B, H, T + 1, D, generator=gen)
+    cache.update(keys[:, :, :T], values[:, :, :T], 0)
+    cache.update(keys[:, :, T:], values[:, :, T:], 0)
+    query = torch.randn(B, H * G, 1, D, generator=gen)
+    return _attends(monkeypatch, lambda: cache.layers[0].attend(query, D**-0.5, None, None))[-1]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -83,17 +89,8 @@ def test_quest_group_plans_over_a_4bit_tier_are_trimmed_and_read_the_same(monkey
     cache = PiKVCache(model, attention="quest", read_fraction=0.125, page_size=16, sparse_from=0)
     with torch.no_grad(), QuantPress(bits=4, group_size=16, window=8)(model):
         model(ids, past_key_values=cache)
-    seen = []
-    real = TorchBackend.attend
-
-    def spy(self, query, store, plan, *args, **kw):
-        seen.append((self, query, store, plan, args, kw))
-        return real(self, query, store, plan, *args, **kw)
-
-    monkeypatch.setattr(TorchBackend, "attend", spy)
     with torch.no_grad():
-        model(torch.tensor([[5]]), past_key_values=cache)
-    monkeypatch.setattr(TorchBackend, "attend", real)
+        seen = _attends(monkeypatch, lambda: model(torch.tensor([[5]]), past_key_values=cache))
     tier = [s for s in seen if s[2].codec.code_bits == 4 and s[3].pages is not None]
     assert len(tier) == model.config.num_hidden_layers
     for backend, query, store, plan, args, kw in tier:
