@@ -484,21 +484,20 @@ class PagedStore:
         """Whether shard key statistics are kept (from the first :meth:`summary` or :meth:`keep_summaries` on)."""
         return self._summarised
 
-    def shard_stats(self) -> ShardStats:
+    def shard_stats(self, bounds: bool = False) -> ShardStats:
         """The per-shard key statistics (kept from the first call on, see :meth:`keep_summaries`; the sums recounted
-        first after an eviction re-packed the pages)."""
-        self.keep_summaries()
-        if self._sums_stale:
-            self._recount(bounds=self._bounds_stale and self.stats.bounds_kept)
+        first after an eviction re-packed the pages); ``bounds``: with the shard min / max, computed from the pages
+        in the same pass the first time they are asked for."""
+        first_bounds = bounds and not self.stats.bounds_kept
+        if not self._summarised or self._sums_stale or first_bounds:
+            self._recount(bounds=first_bounds or (self._bounds_stale and self.stats.bounds_kept))
+            self._summarised = True
         return self.stats
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
-        """The shard summaries a selector reads, from :meth:`shard_stats` (bounds included: computed from the pages
-        at the first call, kept incrementally afterwards)."""
-        stats = self.shard_stats()
-        if not stats.bounds_kept:
-            self._recount(bounds=True)
-        return stats.summary(misses)
+        """The shard summaries a selector reads, from :meth:`shard_stats` with bounds (computed from the pages at the
+        first call, kept incrementally afterwards)."""
+        return self.shard_stats(bounds=True).summary(misses)
 
     def tokens_per_shard(self) -> torch.Tensor:
         """``[B, H, S]`` valid tokens held by each shard."""
