@@ -106,12 +106,5 @@ def _quant_decode_fake(query, kq, k_scale, k_zero, vq, v_scale, v_zero, bias, sc
     return query.new_empty(b, hq, q, dv, dtype=torch.float32), query.new_empty(b, hq, q, dtype=torch.float32)
 
 
-_quant_decode_direct = eager_direct(quant_decode_op, _quant_decode, _quant_decode)
-
-
-def _quant_decode_eager(*args):
-    """The implementation under ``torch.compile`` (traced: inductor fuses it) and in eager code, the operator under
-    a dispatch mode."""
-    if torch.compiler.is_compiling():
-        return _quant_decode(*args)
-    return _quant_decode_direct(*args)
+# traced code runs the implementation itself (inductor fuses it), a dispatch mode sees the operator
+_quant_decode_eager = eager_direct(quant_decode_op, _quant_decode, _quant_decode, traced=_quant_decode)

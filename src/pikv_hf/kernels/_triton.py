@@ -41,16 +41,22 @@ def jit(fn: Callable) -> Any:
     return triton.jit(fn) if HAVE_TRITON else _MissingTriton(fn)
 
 
-def eager_direct(op: Any, cuda: Callable, cpu: Callable) -> Callable:
-    """``op`` (a torch custom operator) as library code calls it. Traced code (``torch.compile``) and code under a
-    dispatch mode (fake tensors; ``benchmarks/count_ops.py``, which counts each operator as the one kernel launch it is
-    on CUDA) call the operator; eager code calls its implementation for the tensors' device directly (``cuda``: the
-    Triton kernel's launcher, ``cpu``: the operator's CPU implementation), because the dispatcher's path through a
-    Python custom operator costs more host time per call (about 0.2 ms on this project's CPU) than a small
-    reference computes."""
+def eager_direct(op: Any, cuda: Callable, cpu: Callable, traced: Callable | None = None) -> Callable:
+    """``op`` (a torch custom operator) as library code calls it.
+
+    - Eager code calls the implementation for the tensors' device directly (``cuda``: the Triton kernel's launcher,
+      ``cpu``: the operator's CPU implementation), because the dispatcher's path through a Python custom operator
+      costs more host time per call (about 0.2 ms on this project's CPU) than a small reference computes.
+    - Code under a dispatch mode (fake tensors; ``benchmarks/count_ops.py``, which counts each operator as the one
+      kernel launch it is on CUDA) calls the operator.
+    - Traced code (``torch.compile``) calls ``traced`` when given (a torch reference that the compiler fuses with
+      what reads it), else the operator.
+    """
 
     def call(*args: Any) -> Any:
-        if not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack():
+        if torch.compiler.is_compiling():
+            return op(*args) if traced is None else traced(*args)
+        if not torch._C._len_torch_dispatch_stack():
             t = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if t is not None and type(t) is torch.Tensor:
                 return (cuda if t.is_cuda else cpu)(*args)

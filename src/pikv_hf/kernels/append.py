@@ -209,13 +209,6 @@ def _append_one_fake(open_page, *rest):
     return open_page.new_empty(open_page.shape[:2])
 
 
-_append_one_eager = eager_direct(append_one_op, append_one_kernel, _append_one_cpu)
-
-
-def append_one(*args) -> torch.Tensor:
-    """Append one token per (row, head) (arguments of :func:`append_one_reference`): ``torch.ops.pikv.append_one``
-    in eager code (one kernel launch on CUDA; ``eager_direct``), the torch reference under ``torch.compile``
-    (inductor fuses it)."""
-    if torch.compiler.is_compiling():
-        return append_one_reference(*args)
-    return _append_one_eager(*args)
+# Append one token per (row, head) (arguments of :func:`append_one_reference`): ``torch.ops.pikv.append_one`` in eager
+# code (one kernel launch on CUDA), the torch reference under ``torch.compile`` (inductor fuses it)
+append_one = eager_direct(append_one_op, append_one_kernel, _append_one_cpu, traced=append_one_reference)

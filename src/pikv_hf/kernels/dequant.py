@@ -128,7 +128,7 @@ def _dequant_pages_cpu(*args):
     return _reference(*args)
 
 
-_dequant_eager = eager_direct(dequant_pages, _launch, _dequant_pages_cpu)
+_dequant_eager = eager_direct(dequant_pages, _launch, _dequant_pages_cpu, traced=_reference)
 
 
 @dequant_pages.register_fake
@@ -158,6 +158,4 @@ def dequantize(quant: QuantPages, dtype: torch.dtype = torch.float32) -> tuple[t
         Equal to ``dequantize_pages(quant)`` cast to ``dtype``.
     """
     _check_bits(quant.bits)
-    if torch.compiler.is_compiling():
-        return _reference(*quant.fields(), quant.bits, dtype)
     return _dequant_eager(*quant.fields(), quant.bits, dtype)
