@@ -132,6 +132,19 @@ def test_routed_plan_kernel_equals_reference(b, h, s, w, p):
     assert all(torch.equal(g, t) for g, t in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("b, h, s, w, p", [(2, 3, 9, 50, 1), (2, 3, 9, 50, 4), (1, 2, 256, 600, 1), (2, 1, 3, 0, 1)])
+def test_routed_plan_trimmed_is_the_reference_without_padding(b, h, s, w, p):
+    """The CPU's eager plan: the reference's pages and page_full cut at its ``used`` width."""
+    case = _plan_case(b, h, s, w, seed=w + p, page_size=p)
+    pages, full, used = plan_mod.routed_plan_reference(*[t.cpu() if torch.is_tensor(t) else t for t in case])
+    n = int(used)
+    got_pages, got_full = plan_mod.routed_plan_trimmed(*[t.cpu() if torch.is_tensor(t) else t for t in case])
+    assert torch.equal(got_pages, pages[..., :n])
+    assert got_full is None if p == 1 else torch.equal(got_full, full[..., :n])
+    if w:
+        assert 0 < n < w and bool((pages[..., n:] == -1).all())  # the case trims something
+
+
 def test_routed_operators_pass_opcheck():
     torch.library.opcheck(torch.ops.pikv.routed_plan.default, tuple(_plan_case(2, 3, 9, 50, seed=1, page_size=4)))
     query, sums, squares, counts = _summary(2, 2, 3, 100, 24, seed=0)
@@ -195,6 +208,8 @@ def test_operators_check_their_arguments():
         plan_mod.routed_plan(chosen, shard, slots, spos[..., :3], reach, qpos, start, p)
     with pytest.raises(ValueError, match="reach"):
         plan_mod.routed_plan(chosen, shard, slots, spos, reach.int(), qpos, start, p)
+    with pytest.raises(ValueError, match="spos"):
+        plan_mod.routed_plan_trimmed(chosen, shard, slots, spos[..., :3], reach, qpos, start, p)
 
 
 _COMPILE_SM90 = """

@@ -1,5 +1,6 @@
-"""The CPU torch path trims a routed plan (as wide as the frame) to the entries its operator counted in use
-(``ReadPlan.used``, no operator and one value read back) and reads the same as the untrimmed plan; a Quest plan of
+"""The CPU torch path reads a routed plan built no wider than it is used (eager) or trims a wide one to the entries
+its operator counted in use (``ReadPlan.used``, no operator and one value read back), and reads the same as the
+untrimmed plan; a Quest plan of
 one store, as wide as its budget, carries no count and is read as planned; Quest's plans over a store group (a 4-bit
 tier beside the hot store), as wide as each frame, carry their count."""
 
@@ -49,22 +50,31 @@ def _decode_plan(monkeypatch, **kwargs):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_routed_plan_is_trimmed_to_its_count_and_reads_the_same(monkeypatch, page_size):
+def test_routed_plan_is_built_trimmed_and_reads_as_the_wide_plan(monkeypatch, page_size):
+    """Eager on the CPU, a routed plan is built no wider than its longest row (``routed_plan_trimmed``); the same plan
+    as wide as the frame (the operator's shape) with its count reads the same through ``trimmed``."""
     backend, query, store, plan, args, kw = _decode_plan(
         monkeypatch, router="key_cluster", num_shards=8, attention="routed", top_k_shards=2, n_sink=2, window=4,
         page_size=page_size,
     )  # fmt: skip
-    used = int((plan.pages >= 0).sum(-1).max())
-    assert plan.used.tolist() == [used] and used < plan.pages.shape[-1] // 2
-    assert bool((plan.pages[..., used:] == -1).all())
+    used, width = plan.pages.shape[-1], store.table.width()
+    assert plan.used is None and 0 < used < width // 2
+    assert int((plan.pages >= 0).sum(-1).max()) == used  # no column of padding only
+    pad = (0, width - used)
+    wide = dataclasses.replace(
+        plan,
+        pages=torch.nn.functional.pad(plan.pages, pad, value=-1),
+        page_full=None if plan.page_full is None else torch.nn.functional.pad(plan.page_full, pad, value=False),
+        used=torch.tensor([used], dtype=torch.int32),
+    )
     with count_ops.OpCounter() as counter:
-        cut = trimmed(plan)
+        cut = trimmed(wide)
     assert sum(counter.counts.values()) == 0 and counter.host_reads == 1
-    assert torch.equal(cut.pages, plan.pages[..., :used])
+    assert torch.equal(cut.pages, plan.pages)
     if page_size > 1:
-        assert torch.equal(cut.page_full, plan.page_full[..., :used])
+        assert torch.equal(cut.page_full, plan.page_full)
     short = TorchBackend.attend(backend, query, store, plan, *args, **kw)
-    whole = TorchBackend.attend(backend, query, store, dataclasses.replace(plan, used=None), *args, **kw)
+    whole = TorchBackend.attend(backend, query, store, dataclasses.replace(wide, used=None), *args, **kw)
     assert (short.o - whole.o).abs().max() < 1e-6 and (short.lse - whole.lse).abs().max() < 1e-6
     assert short.attended is None or torch.equal(short.attended, whole.attended)
 

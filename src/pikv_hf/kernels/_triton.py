@@ -56,13 +56,18 @@ def eager_direct(op: Any, cuda: Callable, cpu: Callable, traced: Callable | None
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return op(*args) if traced is None else traced(*args)
-        if not torch._C._len_torch_dispatch_stack():
-            t = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if t is not None and type(t) is torch.Tensor:
-                return (cuda if t.is_cuda else cpu)(*args)
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if t is not None and runs_eagerly(t):
+            return (cuda if t.is_cuda else cpu)(*args)
         return op(*args)
 
     return call
+
+
+def runs_eagerly(t: torch.Tensor) -> bool:
+    """Whether code handling ``t`` runs eagerly: not traced, under no dispatch mode, on a plain tensor (so a host
+    path may read values back and take data-dependent shapes on the CPU)."""
+    return not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack() and type(t) is torch.Tensor
 
 
 def interpreted(kernel: Any) -> bool:

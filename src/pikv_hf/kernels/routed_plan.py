@@ -9,6 +9,11 @@ within the block, ``carry`` the needed pages of the blocks before), then the res
 (``[B, H, W]`` bool, True for a selected shard's page) and ``used`` (``[1]``, the longest row's pages, an atomic
 max over the programs: the CPU path trims the plan's padding to it). The operator is ``torch.ops.pikv.routed_plan``
 (the torch reference on the CPU, a fake implementation for tracing); it reads no value back to the host.
+
+Eager code on the CPU, where nothing needs to stay on a device, takes :func:`routed_plan_trimmed` instead: the same
+plan built no wider than its longest row (the width read back once), in about half the reference's time at 8k
+tokens in pages of one (fewer passes over the frame: the shard lookup indexes with the stored int32 ids, and the
+compaction writes only the entries in use).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch.nn.functional as F
 
 from pikv_hf.kernels._host import next_power_of_2
 from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
-from pikv_hf.read.plan import compact
+from pikv_hf.read.plan import arange, compact
 from pikv_hf.store.special import special_page_mask
 
 _BLOCK_W = 128  # frame pages per step
@@ -148,7 +153,7 @@ def _routed_plan_fake(chosen, shard, *rest):
     )  # fmt: skip
 
 
-def routed_plan(
+def routed_plan_trimmed(
     chosen: torch.Tensor,
     shard: torch.Tensor,
     slots: torch.Tensor,
@@ -157,9 +162,30 @@ def routed_plan(
     qpos: torch.Tensor,
     start: torch.Tensor,
     page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(pages, page_full, used)`` of a routed read (arguments and results of :func:`routed_plan_reference`), one
-    operator (one kernel on CUDA). Checks shapes only (no host read)."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The plan of :func:`routed_plan` without its padding past the longest row, for eager code on the CPU (it reads
+    that width back to the host): ``pages`` ``[B, H, n]`` (``n``: the ``used`` of :func:`routed_plan`) and
+    ``page_full`` ``[B, H, n]``, None for pages of one token (a special entry's page then holds just that token, so
+    every planned page is read whole). Arguments and checks as :func:`routed_plan`."""
+    _check(chosen, shard, slots, spos, reach, qpos, start, page_size)
+    b, h, s = chosen.shape
+    w = shard.shape[-1]
+    # each (row, head)'s chosen row, an unused page (shard -1) reading the False column in front of it
+    table = F.pad(chosen, (1, 0)).view(-1)
+    ahead = torch.arange(1, b * h * (s + 1), s + 1, dtype=shard.dtype, device=shard.device).view(b * h, 1)
+    full = table.index_select(0, (shard.reshape(b * h, w) + ahead).view(-1)).view(b * h, w)
+    special = special_page_mask(slots, spos, reach, qpos.reshape(1), start, w, page_size).view(b * h, w)
+    need = full | special if page_size > 1 else full.logical_or_(special)
+    at = need.cumsum(-1)
+    used = int(at[:, -1].max()) if need.numel() else 0
+    out = torch.full((b * h, used + 1), -1, dtype=torch.int64, device=need.device)  # column 0 takes what is not needed
+    pages = out.scatter_(1, at.mul_(need), arange(w, need.device).expand(b * h, w))[:, 1:].view(b, h, used)
+    if page_size == 1:
+        return pages, None
+    return pages, full.view(b, h, w).gather(2, pages.clamp(min=0)) & (pages >= 0)
+
+
+def _check(chosen, shard, slots, spos, reach, qpos, start, page_size) -> None:
     b, h, w = shard.shape
     if chosen.dim() != 3 or tuple(chosen.shape[:2]) != (b, h) or chosen.dtype != torch.bool:
         raise ValueError(f"chosen must be bool [B={b}, H={h}, S]; got {chosen.dtype} {list(chosen.shape)}")
@@ -172,4 +198,19 @@ def routed_plan(
         raise ValueError(f"qpos must hold one position; got shape {list(qpos.shape)}")
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1; got {page_size}")
+
+
+def routed_plan(
+    chosen: torch.Tensor,
+    shard: torch.Tensor,
+    slots: torch.Tensor,
+    spos: torch.Tensor,
+    reach: torch.Tensor,
+    qpos: torch.Tensor,
+    start: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pages, page_full, used)`` of a routed read (arguments and results of :func:`routed_plan_reference`), one
+    operator (one kernel on CUDA). Checks shapes only (no host read)."""
+    _check(chosen, shard, slots, spos, reach, qpos, start, page_size)
     return _routed_plan_eager(chosen, shard, slots, spos, reach, qpos.reshape(1), start, int(page_size))

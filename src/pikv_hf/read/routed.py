@@ -2,8 +2,8 @@
 plus the pages holding its row's sinks and recent window (of those, only the sink / recent tokens count).
 
 A plan is as wide as the store's frame (any page may belong to a selected shard), its pages compacted to the front
-and ``-1`` padded: a step's shapes never depend on what it selects. The fused kernel reads only the entries in use;
-the torch path on the CPU, where nothing needs to stay on the device, trims the padding first.
+and ``-1`` padded: a step's shapes never depend on what it selects. The fused kernel reads only the entries in use.
+Eager code on the CPU, where nothing needs to stay on the device, builds the plan no wider than its longest row.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from pikv_hf.config import ReadConfig
+from pikv_hf.kernels._triton import runs_eagerly
 from pikv_hf.kernels.route_select import route_select
-from pikv_hf.kernels.routed_plan import routed_plan
+from pikv_hf.kernels.routed_plan import routed_plan, routed_plan_trimmed
 from pikv_hf.read.plan import ReadPlan
 from pikv_hf.read.policy import SparseRead, register
 from pikv_hf.routing import Selector, make_selector
@@ -111,12 +112,16 @@ class RoutedRead(SparseRead):
     ) -> ReadPlan:
         """The plan reading, from ``store``, the pages of the shards ``chosen`` (``[B, H, S]`` bool) and the pages
         holding the row's sink and recent-window tokens (of those, only the sink / recent tokens count), compacted in
-        one operator (``pikv_hf.kernels.routed_plan``)."""
+        one operator (``pikv_hf.kernels.routed_plan``; eager code on the CPU builds it no wider than it is used,
+        ``routed_plan_trimmed``)."""
         cfg = self.config
         marks = store.special_slots(cfg.n_sink, cfg.window, row_start)
-        pages, page_full, used = routed_plan(
-            chosen, store.frame("shard"), marks.slots, marks.pos, marks.reach, qpos, store.table.start, store.page_size
-        )
+        args = (chosen, store.frame("shard"), marks.slots, marks.pos, marks.reach, qpos, store.table.start)
+        used = None
+        if chosen.device.type == "cpu" and runs_eagerly(chosen):
+            pages, page_full = routed_plan_trimmed(*args, store.page_size)
+        else:
+            pages, page_full, used = routed_plan(*args, store.page_size)
         if store.page_size == 1:  # a sink or window page holds just that token: every planned page is read whole
             return ReadPlan(pages, used=used)
         return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start, used)
