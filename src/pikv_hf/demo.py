@@ -233,9 +233,10 @@ def run_demo(args: argparse.Namespace) -> int:
         f"Total {time.perf_counter() - start:.0f} s."
     )
     print(
-        "For long generations on a CPU, compile the decode step of the exact, Quest and 4-bit caches "
+        "For long generations on a CPU, compile the decode step of the exact and Quest caches "
         "(PiKVCache(model, max_cache_len=N) and torch.compile(..., fullgraph=True): faster than eager in the measured "
-        "runs); a routed cache decodes faster eagerly (docs/RESULTS.md, 'End-to-end decode, compiled step')."
+        "runs); a 4-bit cache gains from it at short contexts only, and routed and Quest + 4-bit caches decode faster "
+        "eagerly (docs/RESULTS.md, 'End-to-end decode, a later run of every way')."
     )
     return 0 if all(planted in a.text for a in answers) else 1
 
