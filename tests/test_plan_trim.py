@@ -7,6 +7,7 @@ tier beside the hot store), as wide as each frame, carry their count."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from pathlib import Path
 
@@ -134,3 +135,30 @@ def test_quest_plan_of_a_reserved_cpu_store_is_sized_by_the_pages_in_use():
     assert plans[1].shape[-1] == -(-used // 4) and width >= 2048 // 4  # the budget of the pages in use, not 128
     assert torch.equal(plans[0], plans[1])
     assert (logits[0] - logits[1]).abs().max() < 1e-6
+
+
+def test_packed_read_of_one_token_pages_equals_float64_attention(monkeypatch):
+    """A routed read of one-token pages on the CPU gathers only each (row, head)'s own pages and attends them one
+    (row, head) at a time (``TorchBackend._attend_packed``): the same as float64 attention over exactly those
+    tokens, for rows whose plans differ in length (the padding a wide plan would carry is never read)."""
+    backend, query, store, plan, args, kw = _decode_plan(
+        monkeypatch, router="key_cluster", num_shards=8, attention="routed", top_k_shards=2, n_sink=2, window=4,
+        page_size=1,
+    )  # fmt: skip
+    lengths = (plan.pages >= 0).sum(-1)
+    assert int(lengths.min()) < int(lengths.max())  # rows of different lengths: a wide plan pads some
+    call = inspect.signature(TorchBackend.attend).bind(backend, query, store, plan, *args, **kw).arguments
+    part = TorchBackend.attend(**{**call, "count": True})
+    scale = call["scale"]
+    for row in range(B):
+        for head in range(H):
+            pages = plan.pages[row, head][plan.pages[row, head] >= 0] + store.table.start[row, head]
+            k = store.pool["keys"][pages, 0].double()
+            v = store.pool["values"][pages, 0].double()
+            q = query[row, head * G : (head + 1) * G, 0].double()
+            logits = q @ k.T * scale
+            want = torch.softmax(logits, -1) @ v
+            got = part.o[row, head * G : (head + 1) * G, 0].double()
+            assert (got - want).abs().max() < 1e-5
+            assert (part.lse[row, head * G : (head + 1) * G, 0].double() - logits.logsumexp(-1)).abs().max() < 1e-5
+    assert torch.equal(part.attended, lengths)

@@ -18,6 +18,7 @@ import torch
 from pikv_hf.attention.codes import quant_decode
 from pikv_hf.attention.merge import merge_partials, sink_partial
 from pikv_hf.attention.reference import _SCORE_BUDGET_BYTES, allowed_mask, masked_attention
+from pikv_hf.kernels._triton import runs_eagerly
 from pikv_hf.read.plan import ReadPlan, sink_or_recent
 from pikv_hf.store import PagedStore
 
@@ -277,6 +278,11 @@ class TorchBackend:
         the slots' stored ``bias``, restricted by the plan's pages and the sliding window where they apply."""
         restricted = plan.page_full is not None or sliding_window is not None
         whole = not plan.exact and store.page_size == 1 and not restricted  # planned one-token pages all hold one
+        if whole and store.codec.code_bits is None and runs_eagerly(query):
+            o, lse, attended = self._attend_packed(query, store, plan, scale, count)
+            if sinks is not None:
+                o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
+            return Partial(o, lse, attended=attended)
         names = (*store.kv_fields, *(() if whole else ("bias",)), *(("pos",) if restricted else ()))
         fields, present = self._plan_fields(store, plan, names)
         if fields[store.kv_fields[0]].shape[2] == 0:  # a store with no page yet (a partition): a partial merging away
@@ -310,6 +316,36 @@ class TorchBackend:
         if sinks is not None:
             o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
         return Partial(o, lse, attended=attended)
+
+    def _attend_packed(
+        self, query: torch.Tensor, store: PagedStore, plan: ReadPlan, scale: float, count: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A decode token over planned one-token pages, each (row, KV head) reading just its own pages: they are
+        gathered packed (no padding entry) and attended one (row, head) at a time, without a mask. A plan padded to
+        its longest row would gather and attend the padding too (a third of a routed read at 8k x batch 4)."""
+        b, hq, _, d = query.shape
+        h = store.heads
+        present = plan.pages >= 0
+        lengths = present.sum(-1)  # [B, H]
+        flat = (store.table.start.unsqueeze(-1) + plan.pages).masked_select(present)
+        keys, values = store.codec.decode(
+            {name: self._gather(store, name, flat).view(flat.numel(), -1) for name in store.kv_fields}
+        )
+        qg = query.reshape(b, h, hq // h, d).to(keys.dtype)
+        o = query.new_zeros(b, h, hq // h, values.shape[-1], dtype=torch.float32)
+        lse = torch.full((b, h, hq // h), float("-inf"), device=query.device)
+        at = 0
+        for i, n in enumerate(lengths.view(-1).tolist()):
+            if n:
+                row, head = divmod(i, h)
+                part = _FLASH_CPU(
+                    qg[row : row + 1, head : head + 1], keys[at : at + n].view(1, 1, n, -1),
+                    values[at : at + n].view(1, 1, n, -1), 0.0, False, scale=scale,
+                )  # fmt: skip
+                o[row, head] = part[0][0, 0]
+                lse[row, head] = part[1][0, 0]
+                at += n
+        return o.reshape(b, hq, 1, -1), lse.reshape(b, hq, 1), lengths if count else None
 
     def workspace_nbytes(self) -> int:
         """Bytes held by the gather workspace (not part of the stored KV)."""
