@@ -326,6 +326,7 @@ def e2e_later(rec: Recorder) -> Body:
     if rec.exists(LATER_BATCH4):
         b4 = rec.load(LATER_BATCH4)
         parts += [series_table(rec, LATER_BATCH4, *key) for key in series(rec, LATER_BATCH4)]
+        parts += [b4["note"]] if b4.get("note") else []
         goals += [r for r in goal_rows(rec, LATER_BATCH4) if r[1] != "not measured" and "prefill" not in r[0]]
         commands += b4["commands"]
     header = ["goal", "measured", "verdict"]
