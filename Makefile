@@ -103,14 +103,12 @@ bench-gpu:
 	PYTHONPATH=src$(if $(WHEELS),:$(WHEELS))$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
 
 # On a GPU machine, as bench-gpu: every Triton kernel's tests on CUDA (each operator against its torch reference),
-# then bench-kernels and bench-gpu (~10 min on an H200; `make gpu-check WHEELS=DIR`)
+# then bench-kernels and bench-gpu, each stage under its own time limit (benchmarks/gpu_check.sh: ~10 min in all;
+# `make gpu-check WHEELS=DIR`; logs in benchmarks/results/gpu_logs)
 GPU_TESTS := tests/test_kernels.py tests/test_append_kernel.py tests/test_kernels_routing.py tests/test_quest_kernels.py \
 	tests/test_read_stats_op.py tests/test_quant_ops.py tests/test_triton_backend.py
-GPU_PATH = src$(if $(WHEELS),:$(WHEELS))$${PYTHONPATH:+:$$PYTHONPATH}
 gpu-check:
-	PYTHONPATH=$(GPU_PATH) $(PYTHON) -m pytest -q $(GPU_TESTS)
-	PYTHONPATH=$(GPU_PATH) $(PYTHON) benchmarks/kernels.py
-	PYTHONPATH=$(GPU_PATH) $(PYTHON) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
+	GPU_TESTS="$(GPU_TESTS)" WHEELS=$(WHEELS) BENCH_GPU_ARGS="$(BENCH_GPU_ARGS)" bash benchmarks/gpu_check.sh
 
 # Operators one eager decode step dispatches per way (a GPU launches a kernel for each) against DynamicCache's count,
 # SmolLM2's shape (random weights), 2k tokens, sparse reads forced (~4 min; tests/test_ops_count.py checks 4 layers)

@@ -128,6 +128,9 @@ WAYS = list(MODES)
 COMPILED_WAYS = ["static", "exact", "routed_1_8", "quest_1_8", "quant4", "routed", "quest_quant4", "h2o_offload_routed"]
 
 
+TOP_KERNELS = 12  # the kernels with the most GPU time a profile lists
+
+
 class Timeout(BaseException):  # not an Exception: code inside a way (torch.compile) must not swallow it
     """A way ran past its time limit."""
 
@@ -207,11 +210,16 @@ def profile_steps(step, n: int, device: torch.device) -> dict:
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         count, busy_us = sum(e.count for e in events), sum(e.self_device_time_total for e in events)
         graphs = sum(e.count for e in prof.key_averages() if e.key == "cudaGraphLaunch")
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:TOP_KERNELS]
         return {
             "kernels_per_step": count / n,
             "busy_ms_per_step": busy_us / n / 1e3,
             "graph_launches_per_step": graphs / n,
             "counted": "CUDA kernels and copies, GPU time",
+            "top_kernels": [
+                {"name": e.key[:120], "per_step": e.count / n, "ms_per_step": e.self_device_time_total / n / 1e3}
+                for e in top
+            ],
         }
     leaves = [
         e

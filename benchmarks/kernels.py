@@ -340,37 +340,43 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)  # plans
     args.dev_gen = torch.Generator(device=args.device).manual_seed(0)  # keys, values, queries
     layouts = [(p, 0) for p in args.page_sizes] + ([(args.quant_page_size, args.quant_bits)] if args.quant_bits else [])
-    cases = []
+    cases: list[dict] = []
+    meta = run_metadata(args.threads)
+    meta["machine"]["device"] = name
+
+    def write(graph: dict | None, complete: bool) -> None:  # after every layout: a run cut short keeps its rows
+        meta["machine"]["load_average_1m_at_end"] = os.getloadavg()[0]  # other work on the box inflates CPU timings
+        result = {
+            "benchmark": "kernels",
+            "command": " ".join(["python", *sys.argv]),
+            **meta,
+            "device": name,
+            "backend": label,
+            "peak_gbs": peak,
+            "peak_source": source,
+            "config": {"shards": SHARDS, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                       "page_sizes": args.page_sizes, "dtype": str(args.dtype).removeprefix("torch."),
+                       "quant": {"bits": args.quant_bits, "page_size": args.quant_page_size, "group": args.quant_group},
+                       "selection": "random fraction of each (row, KV head)'s pages, all full",
+                       "bytes_read": "K/V fields of the pages read + pos/valid (5 B per slot) + 8 B per table entry"},
+            "cases": cases,
+            "graph_step": graph,
+            "targets": check_targets(cases, graph) if cuda else "GPU targets not evaluated: no CUDA (torch path timed)",
+            "complete": complete,
+        }  # fmt: skip
+        write_result(out, result)
+
     for tokens, batch, (page_size, bits) in itertools.product(args.tokens, args.batch, layouts):
         built = filled_store(args, tokens, batch, page_size, bits)
         cases += [one_case(args, ms, backend, built, fraction, peak, gen) for fraction in args.fractions]
         del built
         if cuda:
             torch.cuda.empty_cache()
+        write(None, False)
     graph = None
     if cuda and args.graph_layers:
         graph = graph_step(args, ms, backend, args.tokens[0], args.batch[0], peak, gen)
-    meta = run_metadata(args.threads)
-    meta["machine"]["device"] = name
-    meta["machine"]["load_average_1m_at_end"] = os.getloadavg()[0]  # other work on the box inflates CPU timings
-    result = {
-        "benchmark": "kernels",
-        "command": " ".join(["python", *sys.argv]),
-        **meta,
-        "device": name,
-        "backend": label,
-        "peak_gbs": peak,
-        "peak_source": source,
-        "config": {"shards": SHARDS, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                   "page_sizes": args.page_sizes, "dtype": str(args.dtype).removeprefix("torch."),
-                   "quant": {"bits": args.quant_bits, "page_size": args.quant_page_size, "group": args.quant_group},
-                   "selection": "random fraction of each (row, KV head)'s pages, all full",
-                   "bytes_read": "K/V fields of the pages read + pos/valid (5 B per slot) + 8 B per table entry"},
-        "cases": cases,
-        "graph_step": graph,
-        "targets": check_targets(cases, graph) if cuda else "GPU targets not evaluated: no CUDA (torch path timed)",
-    }  # fmt: skip
-    write_result(out, result)
+    write(graph, True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU session in one command (make gpu-check): the kernel tests on CUDA, benchmarks/kernels.py and
+# benchmarks/bench_gpu.py, each under its own time limit so that a slow stage cannot starve the next, within about
+# 9.5 minutes. Uses the machine's own torch / triton; WHEELS names a folder of the other pins (see GPU.md notes in
+# docs/RESULTS.md). Logs and JSON go to LOGS (default benchmarks/results/gpu_logs) and benchmarks/results.
+set -u
+LOGS=${LOGS:-benchmarks/results/gpu_logs}
+TESTS_S=${TESTS_S:-80}
+KERNELS_S=${KERNELS_S:-120}
+BENCH_S=${BENCH_S:-380}
+export PYTHONPATH=src${WHEELS:+:$WHEELS}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$LOGS"
+GIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export PIKV_GIT=${PIKV_GIT:-$GIT}
+GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '_'))")
+nvidia-smi >"$LOGS/nvidia_smi_${GPU}.txt" 2>&1
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+
+XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+echo "== kernel tests on CUDA (${TESTS_S} s)"
+timeout "$TESTS_S" python3 -m pytest -v -p no:cacheprovider $XDIST $GPU_TESTS >"$LOGS/pytest_cuda_${GPU}_${GIT}.txt" 2>&1
+echo "pytest rc $?"; grep -E "FAILED|ERROR|passed|failed" "$LOGS/pytest_cuda_${GPU}_${GIT}.txt" | tail -15
+
+echo "== benchmarks/kernels.py (${KERNELS_S} s)"
+timeout "$KERNELS_S" python3 benchmarks/kernels.py ${KERNELS_ARGS:-} 2>&1 | tee "$LOGS/kernels_${GPU}_${GIT}.txt"
+
+echo "== benchmarks/bench_gpu.py (${BENCH_S} s)"
+timeout "$BENCH_S" python3 benchmarks/bench_gpu.py ${BENCH_GPU_ARGS:-} 2>&1 | tee "$LOGS/bench_gpu_${GPU}_${GIT}.txt"
+echo "bench_gpu rc ${PIPESTATUS[0]}"
