@@ -106,7 +106,7 @@ bench-gpu:
 # then bench-kernels and bench-gpu, each stage under its own time limit (benchmarks/gpu_check.sh: ~10 min in all;
 # `make gpu-check WHEELS=DIR`; logs in benchmarks/results/gpu_logs)
 GPU_TESTS := tests/test_kernels.py tests/test_append_kernel.py tests/test_kernels_routing.py tests/test_quest_kernels.py \
-	tests/test_read_stats_op.py tests/test_quant_ops.py tests/test_triton_backend.py
+	tests/test_read_stats_op.py tests/test_quant_ops.py tests/test_triton_backend.py tests/test_merge_kernel.py
 gpu-check:
 	GPU_TESTS="$(GPU_TESTS)" WHEELS=$(WHEELS) BENCH_GPU_ARGS="$(BENCH_GPU_ARGS)" bash benchmarks/gpu_check.sh
 

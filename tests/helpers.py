@@ -19,6 +19,8 @@ ROUTERS = ("round_robin", "expert", "key_cluster")
 ARCH_ROUTER_CASES = [(a, r) for a in TINY_ARCHS for r in ROUTERS if not (r == "expert" and a == "llama")]
 TOL = 1e-4
 TESTS = Path(__file__).resolve().parent
+# where kernel tests launch the Triton kernels: the GPU when there is one, else the CPU (``TRITON_INTERPRET=1``)
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 _MODELS: dict[tuple[str, str], torch.nn.Module] = {}
 
@@ -137,3 +139,12 @@ __all__ = [
     "shard_of_positions",
     "slot_shard",
 ]
+
+
+def on_kernel_device(args):
+    """``args`` (a tuple or list, nested lists too) with every tensor moved to :data:`KERNEL_DEVICE`."""
+    return type(args)(
+        a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else on_kernel_device(a) if isinstance(a, list | tuple)
+        else a
+        for a in args
+    )  # fmt: skip

@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 import torch
+from helpers import KERNEL_DEVICE as DEVICE
 from helpers import run_without_interpreter
 
 from pikv_hf.kernels import append
@@ -17,7 +18,6 @@ from pikv_hf.kernels.append import append_one_kernel, append_one_op, append_one_
 from pikv_hf.store import PagedStore
 
 B, H, S, P, D, N = 2, 3, 4, 4, 8, 64
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _state(seed: int, dtype: torch.dtype = torch.float32, summary: str | None = "bounds") -> dict:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import KERNEL_DEVICE as DEVICE
 from helpers import run_without_interpreter
 
 from pikv_hf.kernels import (
@@ -32,7 +33,6 @@ from pikv_hf.kernels import (
 )
 from pikv_hf.kernels._triton import check_launchable
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # bfloat16 on CUDA: the probabilities are rounded to bfloat16 (8 mantissa bits) before the tensor-core p @ v dot, an
 # error of up to ~2**-9 relative per term, which measured 1.1e-3..1.4e-3 on an H200 (float32 accumulation after it)
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-3}

@@ -124,7 +124,11 @@ def test_routed_plan_reference_follows_the_definition():
 
 
 @pytest.mark.skipif(not _runs(plan_mod._routed_plan_kernel), reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("b, h, s, w, p", [(2, 3, 9, 50, 1), (1, 2, 256, 600, 1), (1, 1, 4, 256, 16), (2, 1, 3, 0, 1)])
+@pytest.mark.parametrize(
+    "b, h, s, w, p",
+    [(2, 3, 9, 50, 1), (1, 2, 256, 600, 1), (1, 1, 4, 256, 16), (2, 1, 3, 0, 1),
+     (1, 2, 64, 4500, 1), (2, 1, 5, 2048, 4)],  # the last two: frames planned by several programs (_BLOCK pages each)
+)  # fmt: skip
 def test_routed_plan_kernel_equals_reference(b, h, s, w, p):
     case = _plan_case(b, h, s, w, seed=w, page_size=p)
     want = plan_mod.routed_plan_reference(*case)
@@ -224,7 +228,7 @@ cases = [(route_select._route_select_kernel,
 cases.append((routed_plan._routed_plan_kernel,
               dict(chosen_ptr="*u8", shard_ptr="*i32", slot_ptr="*i64", spos_ptr="*i64", reach_ptr="*i64",
                    qpos_ptr="*i64", start_ptr="*i64", pages_ptr="*i64", full_ptr="*u8", used_ptr="*i32"),
-              dict(BLOCK_W=128, BLOCK_NS=128)))
+              dict(BLOCK=2048, TILE=128, BLOCK_NS=128)))
 cases.append((place_key._place_key_kernel, dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64"),
               dict(D=128, BLOCK_S=64, BLOCK_D=128)))
 for kernel, types, const in cases:  # other parameters: i32

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_without_interpreter
+from helpers import KERNEL_DEVICE, on_kernel_device, run_without_interpreter
 from test_kernels import N_SINK, PADS, WINDOW, H, _assert_close, _case
 from torch._dynamo.backends.debugging import aot_eager
 
@@ -46,7 +46,8 @@ def _pages(n, p, dk, dv, bits, group, scale_dtype, seed=0):
 def test_dequant_kernel_equals_the_torch_reference(bits, n, p, dk, dv, group, scale_dtype, dtype):
     quant = _pages(n, p, dk, dv, bits, group, scale_dtype)
     keys, values = dequantize_pages(quant)
-    got_k, got_v = dequant._launch(*quant.fields(), bits, dtype)  # the Triton kernel (interpreted on the CPU)
+    got_k, got_v = dequant._launch(*on_kernel_device(quant.fields()), bits, dtype)  # the kernel (CPU: interpreted)
+    got_k, got_v = got_k.cpu(), got_v.cpu()
     assert got_k.dtype == got_v.dtype == dtype
     assert got_k.shape == (n, p, dk) and got_v.shape == (n, p, dv)
     # one rounding of the output dtype apart at most: float32 ``code * scale + zero`` may be fused (fma) on one side;
@@ -61,11 +62,11 @@ def test_dequant_kernel_equals_the_torch_reference(bits, n, p, dk, dv, group, sc
 def test_dequant_operator_passes_opcheck_and_accepts_strided_fields():
     quant = _pages(4, 8, 16, 16, 4, 8, torch.float16)
     torch.library.opcheck(torch.ops.pikv.dequant_pages, (*quant.fields(), 4, torch.float32))
-    wide = torch.zeros(4, 8, 16, dtype=torch.uint8)
-    wide[..., ::2] = quant.kq
-    strided = dequant.QuantPages(wide[..., ::2], *quant.fields()[1:], bits=4)
+    wide = torch.zeros(4, 8, 16, dtype=torch.uint8, device=KERNEL_DEVICE)
+    wide[..., ::2] = quant.kq.to(KERNEL_DEVICE)
+    strided = dequant.QuantPages(wide[..., ::2], *on_kernel_device(quant.fields()[1:]), bits=4)
     assert not strided.kq.is_contiguous()
-    assert torch.equal(dequant._launch(*strided.fields(), 4, torch.float32)[0], dequantize_pages(quant)[0])
+    assert torch.equal(dequant._launch(*strided.fields(), 4, torch.float32)[0].cpu(), dequantize_pages(quant)[0])
     with pytest.raises(ValueError, match="bits must be one of"):
         dequant.dequantize(dequant.QuantPages(*quant.fields(), bits=3))
 
@@ -120,14 +121,14 @@ def test_4bit_kernel_rows_splits_sliding_window_sinks_lengths_and_attended():
     """q = 3 tokens x 8 query heads (24 rows), 1 or 3 splits, a sliding window, GPT-OSS sinks, shortened table rows,
     the slots the last query attends, and a row that reads nothing (zero output, the sink alone)."""
     case, quant, keys, values = _quant_case(8, 64, 64, 16, torch.float32, 32, q=3, seed=1)
-    sinks = torch.randn(case.query.shape[1], generator=torch.Generator().manual_seed(2))
+    sinks = torch.randn(case.query.shape[1], generator=torch.Generator().manual_seed(2)).to(KERNEL_DEVICE)
     lengths = (case.table >= 0).sum(-1)
     lengths[0, 1] -= 2
     table = case.table.clone()
     table[2] = -1
     args = (case.query, quant, case.pos, case.valid, table, case.qpos, 0.125)
     extra = dict(sliding_window=50, sinks=sinks, lengths=lengths)
-    attended = torch.empty(len(PADS), H, dtype=torch.int64)
+    attended = torch.empty(len(PADS), H, dtype=torch.int64, device=KERNEL_DEVICE)
     one = decode_attention_quant(*args, num_splits=1, attended=attended, **extra)
     three = decode_attention_quant(*args, num_splits=3, **extra)
     _assert_close(one, three, 1e-5)

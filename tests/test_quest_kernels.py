@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import on_kernel_device
 
 from pikv_hf.kernels import quest
 from pikv_hf.kernels._triton import interpreted
@@ -70,7 +71,7 @@ def test_scores_reference_is_the_quest_bound_with_special_and_empty_pages():
 def test_scores_kernel_equals_reference(shape):
     args, _, _ = _inputs(**shape)
     ref = quest._scores_reference(*args)
-    got = quest._scores_launch(*args)
+    got = quest._scores_launch(*on_kernel_device(args)).cpu()  # the kernel: on the GPU, or interpreted
     assert got.shape == ref.shape and got.dtype == torch.float32
     inf = torch.isinf(ref)
     assert torch.equal(got[inf], ref[inf])
@@ -92,7 +93,7 @@ def _select_inputs(b=2, h=3, w=37, seed=0):
 def test_select_kernel_equals_reference_and_a_stable_sort(w, fraction, width):
     score, n_pages = _select_inputs(w=w)
     ref = quest._select_reference(score, n_pages, fraction, width)
-    assert torch.equal(quest._select_launch(score, n_pages, fraction, width), ref)
+    assert torch.equal(quest._select_launch(*on_kernel_device((score, n_pages)), fraction, width).cpu(), ref)
     for bi, hi in [(0, 0), (0, 1), (1, 2)]:  # the reference: pages by descending score, ties to the earlier page
         ranked = sorted(range(w), key=lambda i: (-float(score[bi, hi, i]), i))
         budget = math.ceil(fraction * int(n_pages[bi, hi]))
@@ -149,7 +150,7 @@ def _group_by_hand(scores, n_pages, sizes, fraction, bi, hi):
 def test_group_select_kernel_equals_reference_and_one_budget_by_hand(widths, sizes, fraction):
     scores, n_pages, sizes = _group_inputs(widths=widths, sizes=sizes)
     ref = quest._group_reference(scores, n_pages, sizes, fraction)
-    assert torch.equal(quest._group_launch(scores, n_pages, sizes, fraction), ref)
+    assert torch.equal(quest._group_launch(*on_kernel_device((scores, n_pages)), sizes, fraction).cpu(), ref)
     b, h = scores[0].shape[:2]
     plans = ref.split([b * h * w for w in widths])
     for bi in range(b):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import KERNEL_DEVICE, on_kernel_device
 
 from pikv_hf.kernels import read_stats
 from pikv_hf.kernels._triton import interpreted
@@ -50,10 +51,10 @@ def test_reference_adds_a_stores_read_to_the_counters(exact):
 def test_kernel_equals_reference(shape, exact):
     attended, pages, n_pages, count = _inputs(**shape)
     pages = None if exact else pages
-    got, ref = torch.arange(10) * 7, torch.arange(10) * 7
-    read_stats._record_launch(got, attended, pages, n_pages, count, 4, 96, 1, 0, 3)
+    got, ref = torch.arange(10, device=KERNEL_DEVICE) * 7, torch.arange(10) * 7
+    read_stats._record_launch(got, *on_kernel_device((attended, pages, n_pages, count)), 4, 96, 1, 0, 3)
     read_stats._record_reference(ref, attended, pages, n_pages, count, 4, 96, 1, 0, 3)
-    assert torch.equal(got, ref)
+    assert torch.equal(got.cpu(), ref)
     torch.library.opcheck(
         torch.ops.pikv.record_read.default, (torch.zeros(10, dtype=torch.int64), attended, pages, n_pages, count,
                                              4, 96, 1, 0, 3)

@@ -324,3 +324,22 @@ def test_long_append_with_many_shards_builds_no_token_by_shard_tensor():
         store.append(k, k, shard, torch.arange(q))
     assert probe.largest <= store.pool["keys"].numel() + s * d * h  # pool pages (with headroom) or shard sums
     assert probe.largest < b * h * q * s
+
+
+def test_page_bounds_fold_operator_equals_the_bounds_of_each_page_and_passes_opcheck():
+    """``pikv::fold_page_bounds`` (what a compiled step on CUDA folds through) widens each page's bounds to the
+    elementwise min / max of the keys stored in it, and is checked by ``opcheck`` (schema, fake, in-place)."""
+    from pikv_hf.store import bounds
+
+    gen = torch.Generator().manual_seed(0)
+    keys, page = torch.randn(12, 5, generator=gen), torch.randint(0, 4, (12,), generator=gen)
+    kmin, kmax = torch.full((6, 5), float("inf")), torch.full((6, 5), float("-inf"))
+    torch.ops.pikv.fold_page_bounds(kmin, kmax, page, keys)
+    for p in range(6):
+        mine = keys[page == p]
+        if len(mine):
+            assert torch.equal(kmin[p], mine.amin(0)) and torch.equal(kmax[p], mine.amax(0))
+        else:
+            assert bool(kmin[p].isposinf().all()) and bool(kmax[p].isneginf().all())
+    fresh = (torch.full((6, 5), float("inf")), torch.full((6, 5), float("-inf")), page, keys)
+    torch.library.opcheck(bounds._fold_op, fresh)

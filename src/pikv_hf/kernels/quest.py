@@ -175,9 +175,29 @@ def _quest_select_fake(score, n_pages, fraction, width):
     return score.new_empty(*score.shape[:2], width, dtype=torch.int64)
 
 
+_GROUP_STORES = 4  # stores one launch of the group kernel takes (their offsets and page sizes are scalar arguments)
+
+
+@jit
+def _nth(n: tl.constexpr, a, b, c, d, e):
+    """The ``n``-th of five scalars (``n`` a compile-time index: the stores' offsets and sizes are no tensor, so a
+    launch inside a CUDA graph capture copies nothing from the host)."""
+    v = e
+    if n == 0:
+        v = a
+    if n == 1:
+        v = b
+    if n == 2:
+        v = c
+    if n == 3:
+        v = d
+    return v
+
+
 @jit
 def _group_kernel(
-    score_ptr, n_pages_ptr, off_ptr, size_ptr, out_ptr, W, BH, fraction, NS: tl.constexpr, BLOCK: tl.constexpr
+    score_ptr, n_pages_ptr, out_ptr, W, BH, fraction, O1, O2, O3, P0, P1, P2, P3, NS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     i = tl.arange(0, BLOCK)
@@ -191,15 +211,15 @@ def _group_kernel(
     size = tl.zeros((BLOCK,), tl.int32)
     slots = tl.zeros((1,), tl.float32)
     for s in tl.static_range(NS):
-        p_s = tl.load(size_ptr + s)
-        size = tl.where(page >= tl.load(off_ptr + s), p_s, size)
+        p_s = _nth(s, P0, P1, P2, P3, 1)
+        size = tl.where(page >= _nth(s, 0, O1, O2, O3, W), p_s, size)
         slots += (tl.load(n_pages_ptr + s * BH + bh) * p_s).to(tl.float32)
     before = (tl.cumsum(size, 0) - size).to(tl.float32)  # slots of the pages ranked ahead
     # the keys of +inf (bits 0x7F800000) and -inf (0xFF800000 ^ 0x7FFFFFFF)
     chosen = ((before < slots * fraction) | (top == 2139095040)) & (top != -2139095041) & (i < W)
     for s in tl.static_range(NS):
-        lo = tl.load(off_ptr + s)
-        w_s = tl.load(off_ptr + s + 1) - lo
+        lo = _nth(s, 0, O1, O2, O3, W)
+        w_s = _nth(s + 1, 0, O1, O2, O3, W) - lo
         mine = chosen & (page >= lo) & (page < lo + w_s)
         rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the store's pages keep their order: a prefix of its ranking
         base = out_ptr + BH * lo + bh * w_s
@@ -231,15 +251,15 @@ def _group_launch(scores, n_pages, page_sizes, fraction):
     b, h = scores[0].shape[:2]
     widths = [x.shape[-1] for x in scores]
     w = sum(widths)
-    if w > _MAX_SORT or not b * h * w:
+    if w > _MAX_SORT or not b * h * w or len(scores) > _GROUP_STORES:
         return _group_reference(scores, n_pages, page_sizes, fraction)
     d = scores[0].device
     out = torch.empty(b * h * w, dtype=torch.int64, device=d)
-    off = torch.tensor([sum(widths[:i]) for i in range(len(widths) + 1)], dtype=torch.int32, device=d)
-    size = torch.tensor(page_sizes, dtype=torch.int32, device=d)
+    off = [sum(widths[: i + 1]) for i in range(_GROUP_STORES - 1)]  # where stores 1.. start (past the last: W)
+    size = list(page_sizes) + [1] * (_GROUP_STORES - len(page_sizes))
     check_launchable(_group_kernel, d)
     _group_kernel[(b * h,)](
-        torch.cat(scores, -1).contiguous(), torch.stack(n_pages).contiguous(), off, size, out, w, b * h, fraction,
+        torch.cat(scores, -1).contiguous(), torch.stack(n_pages).contiguous(), out, w, b * h, fraction, *off, *size,
         NS=len(scores), BLOCK=max(16, next_power_of_2(w)),
     )  # fmt: skip
     return out

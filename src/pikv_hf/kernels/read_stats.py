@@ -50,7 +50,8 @@ def _record_reference(total, attended, pages, n_pages, count, page_size, page_by
     read = n_pages if pages is None else (pages >= 0).sum(-1)
     rows = [attended, read, n_pages, count.sum(-1), read * page_size, read * page_bytes]
     total[_FIRST : _FIRST + len(rows)] += torch.stack(rows).sum((1, 2))
-    total[:_FIRST] += torch.tensor([steps, sparse_steps, heads], device=total.device)
+    for i, n in enumerate((steps, sparse_steps, heads)):  # scalars, no host tensor (a CUDA graph may capture this)
+        total[i] += n
 
 
 def _record_launch(total, attended, pages, n_pages, count, page_size, page_bytes, steps, sparse_steps, heads):
