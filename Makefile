@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-gpu gpu-check bench-ops clean-venv
+.PHONY: demo test test-slow lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-gpu gpu-check bench-ops clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks eval
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+# The tests marked slow (real-model harness, 4 gloo ranks, ...), left out of `make test` to keep it under 15 minutes
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks eval

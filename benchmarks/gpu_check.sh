@@ -18,8 +18,12 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
 
 XDIST=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 echo "== kernel tests on CUDA (${TESTS_S} s)"
-timeout "$TESTS_S" python3 -m pytest -v -p no:cacheprovider $XDIST $GPU_TESTS >"$LOGS/pytest_cuda_${GPU}_${GIT}.txt" 2>&1
-echo "pytest rc $?"; grep -E "FAILED|ERROR|passed|failed" "$LOGS/pytest_cuda_${GPU}_${GIT}.txt" | tail -15
+# SIGINT at the limit: pytest stops its xdist workers and prints its summary (a SIGTERM left the workers loading the
+# host while the benchmarks below ran: an H100 run's eager timings were spoiled so)
+timeout -s INT -k 15 "$TESTS_S" python3 -m pytest -v -p no:cacheprovider $XDIST $GPU_TESTS >"$LOGS/pytest_cuda_${GPU}_${GIT}.txt" 2>&1
+echo "pytest rc $?"
+pkill -9 -f "exec.eval.sys.stdin.readline" 2>/dev/null  # xdist workers still alive, if any
+grep -E "FAILED|ERROR|passed|failed" "$LOGS/pytest_cuda_${GPU}_${GIT}.txt" | tail -15
 
 echo "== benchmarks/kernels.py (${KERNELS_S} s)"
 timeout "$KERNELS_S" python3 benchmarks/kernels.py ${KERNELS_ARGS:-} 2>&1 | tee "$LOGS/kernels_${GPU}_${GIT}.txt"

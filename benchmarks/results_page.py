@@ -59,6 +59,7 @@ SECTIONS = [
 HEADLINE = [
     e2e.headline_e2e,
     gpu.headline_gpu,
+    gpu.headline_gpu_compiled,
     e2e.headline_routing_gain,
     decode.headline_exact,
     routing.headline_quality,

@@ -246,7 +246,9 @@ def kernel_table(rec: Recorder, p: str) -> str:
         )
     header = ["tokens", "page", "bits", "share of pages read", "ms", "GB/s", "% of peak", "ms in a CUDA graph"]
     header += ["SDPA full ms (speedup)", "gather + SDPA ms (speedup)", "max abs diff vs gather + SDPA"]
-    text = f"`{p}`: backend {d['backend']}; peak {rec.fig('gbs', at(p, 'peak_gbs'))} GB/s ({d['peak_source']}).\n\n"
+    text = f"`{p}`: backend {d['backend']}; peak {rec.fig('gbs', at(p, 'peak_gbs'))} GB/s ({d['peak_source']})"
+    early = d.get("complete") is False
+    text += "; **the run stopped early** (the rows below are those it wrote).\n\n" if early else ".\n\n"
     text += table(header, rows)
     g = d.get("graph_step")
     if g:

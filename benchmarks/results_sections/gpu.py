@@ -115,6 +115,7 @@ def gpu(rec: Recorder) -> Body:
         parts.append(
             f"`{path}`{' (the --tiny CPU run)' if d['tiny'] else ''}: random weights, {cfg['dtype']}, SDPA; {shapes}"
             + ("" if d.get("complete") else "; **the run stopped early** (the points below are those it wrote)")
+            + (f". Note: {d['note']}" if d.get("note") else "")
         )
         plot = path.replace(".json", ".png")
         if rec.exists(plot):
@@ -140,22 +141,37 @@ def gpu(rec: Recorder) -> Body:
     )
 
 
-def headline_gpu(rec: Recorder) -> tuple[str, str, str] | None:
-    """Eager decode against DynamicCache on the first GPU file with a full eager point at batch 8."""
-    for path in rec.glob(GPU_GLOB):
-        for i, point in enumerate(rec.load(path).get("eager", [])):
+HEADLINE_WAYS = ("exact", "routed_1_8", "quest_1_8", "quant4")
+
+
+def _headline(rec: Recorder, paths: list[str], section: str, title: str, baseline: str, how: str):
+    """The first of ``paths`` with a ``section`` point at batch 8 holding the four headline ways: its row."""
+    for path in paths:
+        for i, point in enumerate(rec.load(path).get(section, [])):
             res = point["results"]
-            ways = ("exact", "routed_1_8", "quest_1_8", "quant4")
-            if point["batch"] != 8 or not all("ms_ratio" in res.get(w, {}) for w in ways):
+            if point["batch"] != 8 or not all("ms_ratio" in res.get(w, {}) for w in HEADLINE_WAYS):
                 continue
-            key = f"eager.{i}.results."
-            r = {w: rec.fig("r2", at(path, key + f"{w}.ms_ratio")) for w in ways}
+            r = {w: rec.fig("r2", at(path, f"{section}.{i}.results.{w}.ms_ratio")) for w in HEADLINE_WAYS}
             device = rec.load(path)["machine"]["device"]
             return (
-                f"Decode vs DynamicCache on a GPU ({device}), {point['context']} tokens x batch {point['batch']}",
+                f"{title} ({device}), {point['context']} tokens x batch {point['batch']}",
                 f"ms/token: exact {r['exact']}x, routed 1/8 {r['routed_1_8']}x, Quest 1/8 {r['quest_1_8']}x, 4-bit "
-                f"{r['quant4']}x DynamicCache's (eager, {point['shape']} shape, {point['layers']} layers, random "
+                f"{r['quant4']}x {baseline}'s ({how}, {point['shape']} shape, {point['layers']} layers, random "
                 "weights)",
                 "Decode on a GPU",
             )
     return None
+
+
+def headline_gpu(rec: Recorder) -> tuple[str, str, str] | None:
+    """Eager decode against DynamicCache on the first GPU file with a full eager point at batch 8."""
+    return _headline(rec, rec.glob(GPU_GLOB), "eager", "Decode vs DynamicCache on a GPU", "DynamicCache", "eager")
+
+
+def headline_gpu_compiled(rec: Recorder) -> tuple[str, str, str] | None:
+    """A compiled step against StaticCache compiled: the last GPU file (by name) with a full compiled point at batch
+    8."""
+    return _headline(
+        rec, rec.glob(GPU_GLOB)[::-1], "compiled", "Compiled decode step vs StaticCache compiled on a GPU",
+        "StaticCache", "torch.compile fullgraph, CUDA graphs",
+    )  # fmt: skip
