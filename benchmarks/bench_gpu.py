@@ -64,6 +64,7 @@ from transformers import (
     StaticCache,
 )
 
+import pikv_hf
 from pikv_hf import PiKVCache
 
 
@@ -407,7 +408,7 @@ def machine(device: torch.device) -> dict:
         "triton": version("triton"),
         "transformers": transformers.__version__,
         "kvpress": version("kvpress"),
-        "pikv_hf": version("pikv_hf"),
+        "pikv_hf": pikv_hf.__version__,  # from the source tree (PYTHONPATH=src on a GPU machine: not installed)
     }
     return {"machine": info, "versions": versions}
 
