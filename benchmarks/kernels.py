@@ -20,6 +20,8 @@ on the device.
   over the same pool pages and selection (each (row, KV head) one request of one KV head);
 * on CUDA, ``graph_ms``: the same read captured in a CUDA graph (device time only; ``ms`` minus it is the host's
   per-call work, which dominates short eager reads);
+* ``routed_selection``: the routed read's selection (``route_select``) and plan (``routed_plan``) of one layer at the
+  largest ``--tokens`` in the README's setting (256 shards, pages of one), to set against the read they plan;
 * on CUDA, ``graph_step``: the attention of a ``--graph-layers`` layer decode step at 25% selection captured in a
   CUDA graph, against its bytes bound (attention only: selection precomputed, no projections or MLPs).
 
@@ -45,12 +47,15 @@ from bench_cache import median_ms, read_bandwidth_gbs, run_metadata, write_resul
 from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.codecs.quant import QuantCodec
 from pikv_hf.kernels import gather_pages, gather_pages_reference
+from pikv_hf.kernels.route_select import route_select
+from pikv_hf.kernels.routed_plan import routed_plan
 from pikv_hf.read import ReadPlan
 from pikv_hf.store import PagedStore
 
 # HBM peak in GB/s by GPU name (first match wins: the PCIe H100 before the SXM one)
 PEAK_GBS = (("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100 80GB", 2039.0))
 SHARDS = 8
+ROUTED_SHARDS = 256  # the README's routed cache: key-cluster shards of one-token pages
 TARGETS = {
     "dense_pct_peak_min": 80.0,  # at 16k+ tokens x batch 8, pages of 16
     "page1_pct_peak_min": 60.0,  # pages of one token
@@ -267,6 +272,51 @@ def graph_step(args, ms, backend, tokens: int, batch: int, peak: float, gen) -> 
             "over_bound": replay / bound}  # fmt: skip
 
 
+def routed_selection(args, ms, tokens: int, batch: int) -> dict:
+    """The routed read's selection and plan for one layer in the README's setting (``ROUTED_SHARDS`` key-cluster
+    shards, pages of one token, top-p 0.97 capped at a quarter of the shards, 4 sinks and 64 recent tokens):
+    ``route_select`` over the shards' key sums / squares / counts, then ``routed_plan`` of its choice (random keys;
+    eager calls, and on CUDA also replayed from a CUDA graph)."""
+    dev, h, d, s = args.device, args.kv_heads, args.head_dim, ROUTED_SHARDS
+    gen = args.dev_gen
+    query = torch.randn(batch, h, args.heads // h, d, generator=gen, device=dev).to(args.dtype)
+    shard = torch.randint(0, s, (batch, h, tokens), generator=gen, device=dev, dtype=torch.int32)
+    at = shard.long().unsqueeze(-1).expand(-1, -1, -1, d)
+    keys = torch.randn(batch, h, tokens, d, generator=gen, device=dev)
+    sums = torch.zeros(batch, h, s, d, device=dev).scatter_add_(2, at, keys)
+    squares = torch.zeros(batch, h, s, d, device=dev).scatter_add_(2, at, keys.square())
+    counts = torch.zeros(batch, h, s, dtype=torch.int64, device=dev)
+    counts.scatter_add_(2, shard.long(), torch.ones_like(at[..., 0]))
+    del at, keys
+    n_sink, window = 4, 64
+    local = torch.cat([torch.arange(n_sink), torch.arange(tokens - window, tokens)]).to(dev)
+    start = (torch.arange(batch * h, device=dev) * tokens).view(batch, h)  # pages of one: each run back to back
+    slots = (start.unsqueeze(-1) + local).contiguous()
+    spos = local.expand(batch, h, -1).contiguous()
+    reach = torch.tensor([2**61] * n_sink + [window] * window, device=dev)
+    qpos = torch.tensor([tokens], device=dev)
+
+    def select() -> torch.Tensor:
+        return route_select(query, sums, squares, counts, d**-0.5, s // 4, 0.97)
+
+    chosen = select()
+
+    def plan() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return routed_plan(chosen, shard, slots, spos, reach, qpos, start, 1)
+
+    read = float((plan()[0] >= 0).sum()) / (batch * h * tokens)
+    out = {"tokens": tokens, "batch": batch, "shards": s, "read_fraction": read, "select_ms": ms(select),
+           "plan_ms": ms(plan)}  # fmt: skip
+    if dev.type == "cuda":
+        out |= {"select_graph_ms": replay_ms(ms, select), "plan_graph_ms": replay_ms(ms, plan)}
+    print(
+        f"routed selection T={tokens} B={batch} S={s}: route_select {out['select_ms']:.3f} ms, routed_plan "
+        f"{out['plan_ms']:.3f} ms (graph: {out.get('select_graph_ms', float('nan')):.3f} / "
+        f"{out.get('plan_graph_ms', float('nan')):.3f}), reads {read:.3f} of the tokens"
+    )
+    return out
+
+
 def check_targets(cases: list[dict], graph: dict | None) -> dict:
     """The issue's GPU targets, evaluated on these results."""
     dense = {(c["tokens"], c["batch"], c["page_size"], c["bits"]): c for c in cases if c["selection_fraction"] == 1}
@@ -344,6 +394,8 @@ def main() -> None:
     meta = run_metadata(args.threads)
     meta["machine"]["device"] = name
 
+    selection = None
+
     def write(graph: dict | None, complete: bool) -> None:  # after every layout: a run cut short keeps its rows
         meta["machine"]["load_average_1m_at_end"] = os.getloadavg()[0]  # other work on the box inflates CPU timings
         result = {
@@ -360,6 +412,7 @@ def main() -> None:
                        "selection": "random fraction of each (row, KV head)'s pages, all full",
                        "bytes_read": "K/V fields of the pages read + pos/valid (5 B per slot) + 8 B per table entry"},
             "cases": cases,
+            "routed_selection": selection,
             "graph_step": graph,
             "targets": check_targets(cases, graph) if cuda else "GPU targets not evaluated: no CUDA (torch path timed)",
             "complete": complete,
@@ -373,6 +426,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
         write(None, False)
+    selection = routed_selection(args, ms, args.tokens[-1], args.batch[0])
+    write(None, False)
     graph = None
     if cuda and args.graph_layers:
         graph = graph_step(args, ms, backend, args.tokens[0], args.batch[0], peak, gen)

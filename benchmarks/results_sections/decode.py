@@ -258,6 +258,19 @@ def kernel_table(rec: Recorder, p: str) -> str:
             f"bound of {rec.fig('ms', at(p, 'graph_step.bound_ms'))} ms "
             f"({rec.fig('x', at(p, 'graph_step.over_bound'))})."
         )
+    sel = d.get("routed_selection")
+    if sel:
+
+        def graph(name: str) -> str:
+            return f" ({rec.fig('ms', at(p, 'routed_selection.' + name))} in a CUDA graph)" if name in sel else ""
+
+        text += (
+            f"\n\nRouted selection of one layer ({sel['tokens']} tokens x batch {sel['batch']}, {sel['shards']} "
+            "shards of one-token pages, top-p 0.97 capped at a quarter of the shards, 4 sinks and 64 recent tokens): "
+            f"route_select {rec.fig('ms', at(p, 'routed_selection.select_ms'))} ms{graph('select_graph_ms')}, "
+            f"routed_plan {rec.fig('ms', at(p, 'routed_selection.plan_ms'))} ms{graph('plan_graph_ms')}, planning "
+            f"a read of {rec.fig('r3', at(p, 'routed_selection.read_fraction'))} of the tokens."
+        )
     targets = d["targets"]
     if isinstance(targets, dict):
         met = ", ".join(f"{name} {'met' if ok else 'not met'}" for name, ok in targets["met"].items())

@@ -1,0 +1,36 @@
+"""``benchmarks/kernels.py`` at tiny sizes on the CPU (the torch references timed), so that the script the GPU
+sessions run cannot rot: every case's read equals gather + SDPA over the same pages, sparse cases read their share of
+the pages, and the routed selection reads about the quarter of the tokens its cap allows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_path):
+    out = tmp_path / "kernels_tiny.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "benchmarks/kernels.py", "--tokens", "512", "--batch", "1", "--page-sizes", "16", "1",
+               "--repeats", "1", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["graph_step"] is None  # no CUDA graph on the CPU
+    cases = d["cases"]
+    assert {(c["page_size"], c["bits"]) for c in cases} == {(16, 32), (1, 32), (64, 4)}
+    for c in cases:
+        pages = 512 // c["page_size"]  # per (row, KV head); the case counts them over all
+        assert c["pages_read"] == c["batch"] * c["kv_heads"] * max(1, round(c["selection_fraction"] * pages)), c
+        if c["bits"] != 4:  # the fused read against gather + SDPA over the same pages (float32)
+            assert c["max_abs_diff_vs_gather_sdpa"] < 1e-5, c
+    sel = d["routed_selection"]
+    assert (sel["tokens"], sel["batch"], sel["shards"]) == (512, 1, 256)
+    # at most a quarter of the shards (random keys: about a quarter of the tokens) plus 4 sinks and 64 recent tokens
+    assert 0.2 < sel["read_fraction"] <= 0.25 * 1.25 + 68 / 512
+    assert sel["select_ms"] > 0 and sel["plan_ms"] > 0
