@@ -7,7 +7,9 @@ H100). A program finds the frame pages of the row's special entries still read (
 slots, ``pikv_hf.store.special``) and counts the needed pages before its block: the selected shards' pages of the
 blocks before it plus the special pages there that are not a selected shard's (each page once). A page is *full*
 when its shard is selected, *needed* when full or special; the block's needed pages go to ``before + prefix sum -
-1``, and the last block's program pads the rest of the plan with ``-1``. Output
+1``, and the last block's program pads the rest of the plan with ``-1`` (H100, 32k pages x 8 rows x 8 KV heads:
+0.26-0.33 ms per call, from 0.8; the ``TILE x entries`` match of the special pages is the likely limit on how many
+programs an SM holds). Output
 ``pages`` (``[B, H, W]`` local page indices, ``-1`` padded, as ``pikv_hf.read.plan.compact``), ``page_full``
 (``[B, H, W]`` bool, True for a selected shard's page) and ``used`` (``[1]``, the longest row's pages, an atomic
 max over the programs: the CPU path trims the plan's padding to it). The operator is ``torch.ops.pikv.routed_plan``
