@@ -5,7 +5,7 @@
 # names a folder holding the other pins (pip install --no-deps --target DIR <wheels>, as the README's GPU section
 # says). Logs go to LOGS (default benchmarks/results/gpu_logs), JSON to benchmarks/results. The stages fit one
 # 600 s device command with the wheels installed: bench_gpu gives the eager section ~155 s (on an H100 the
-# Llama shape at batch 1 took ~85 s for its 8 ways, batch 8 ~10 s a way), the compiled one ~105 s, generate 30 s.
+# Llama shape at batch 1 took ~85 s for its 8 ways, batch 8 ~10 s a way), the compiled one ~135 s, generate 30 s.
 set -u
 LOGS=${LOGS:-benchmarks/results/gpu_logs}
 TESTS_S=${TESTS_S:-90}
