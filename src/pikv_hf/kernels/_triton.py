@@ -64,6 +64,14 @@ def eager_direct(op: Any, cuda: Callable, cpu: Callable, traced: Callable | None
     return call
 
 
+def traced_as_operator(t: torch.Tensor) -> bool:
+    """Whether traced code (``torch.compile``) writes a step's state at ``t``'s device through an opaque operator
+    rather than torch code inductor compiles: on CUDA, where inductor's code for in-place scatters into the state
+    (graph inputs) copied the whole tensors (an H100 profile of compiled steps: every layer's K/V pool twice per
+    step); not on the CPU, where inductor writes in place."""
+    return t.is_cuda
+
+
 def runs_eagerly(t: torch.Tensor) -> bool:
     """Whether code handling ``t`` runs eagerly: not traced, under no dispatch mode, on a plain tensor (so a host
     path may read values back and take data-dependent shapes on the CPU)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pikv_hf.kernels import _triton
 from pikv_hf.store.pool import FieldSpec, PagePool
 
 BOUND_FIELDS = {"key_min": float("inf"), "key_max": float("-inf")}
@@ -27,7 +28,7 @@ def rebuild_page_bounds(pool: PagePool, keys: torch.Tensor) -> None:
 
 def fold_page_bounds(pool: PagePool, page: torch.Tensor, keys: torch.Tensor) -> None:
     """Widen the bounds of pages ``page`` (``[M]`` int64) by the new ``keys`` (``[M, Dk]``) stored in them."""
-    fold = _fold_op if keys.is_cuda and torch.compiler.is_compiling() else _fold
+    fold = _fold_op if torch.compiler.is_compiling() and _triton.traced_as_operator(keys) else _fold
     fold(pool["key_min"], pool["key_max"], page, keys)
 
 
@@ -38,9 +39,9 @@ def _fold(key_min: torch.Tensor, key_max: torch.Tensor, page: torch.Tensor, keys
     key_max.scatter_reduce_(0, idx, k, "amax")
 
 
-# A compiled step on CUDA folds through this operator, opaque to inductor: traced, the two scatters into the bound
-# fields (graph inputs) were compiled into copies of both whole fields per layer and step (an H100 profile of a
-# compiled Quest step: four field-sized kernels per layer); the operator runs them in place. On the CPU inductor's
-# own code writes in place.
+# A compiled step on CUDA folds through this operator, opaque to inductor (``_triton.traced_as_operator``): traced,
+# the two scatters into the bound fields (graph inputs) were compiled into copies of both whole fields per layer and
+# step (an H100 profile of a compiled Quest step: four field-sized kernels per layer); the operator runs them in
+# place. On the CPU inductor's own code writes in place.
 _fold_op = torch.library.custom_op("pikv::fold_page_bounds", _fold, mutates_args=("key_min", "key_max"))
 _fold_op.register_fake(lambda key_min, key_max, page, keys: None)
