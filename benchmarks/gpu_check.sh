@@ -7,6 +7,7 @@
 # 600 s device command with the wheels installed: bench_gpu gives the eager section ~155 s (on an H100 the
 # Llama shape at batch 1 took ~85 s for its 8 ways, batch 8 ~10 s a way), the compiled one ~135 s, generate 30 s.
 set -u
+: "${GPU_TESTS:?the kernel test files: run this through make gpu-check}"
 LOGS=${LOGS:-benchmarks/results/gpu_logs}
 TESTS_S=${TESTS_S:-90}
 KERNELS_S=${KERNELS_S:-130}
