@@ -249,8 +249,9 @@ def compile_advice(device: torch.device) -> str:
     return (
         "For long generations on a CPU, compile the decode step of the exact and Quest caches "
         "(PiKVCache(model, max_cache_len=N) and torch.compile(..., fullgraph=True): faster than eager in the measured "
-        "runs); a 4-bit cache gains from it at short contexts only, and routed and Quest + 4-bit caches decode faster "
-        "eagerly (docs/RESULTS.md, 'End-to-end decode, a later run of every way')."
+        "runs); 4-bit, routed and Quest + 4-bit caches gain from it at short contexts only (2k tokens), and at 8k "
+        "routed and Quest + 4-bit caches decode faster eagerly (docs/RESULTS.md, 'End-to-end decode, a later run of "
+        "every way' and 'End-to-end decode, compiled step')."
     )
 
 
