@@ -118,27 +118,14 @@ def run_without_interpreter(code: str) -> str:
     return run.stdout
 
 
-# one case per architecture for the generate scenarios: the model's own routing where it has one
-SCENARIO_CASES = [(a, "key_cluster" if a == "llama" else "expert") for a in TINY_ARCHS]
-
-
-__all__ = [
-    "ARCH_ROUTER_CASES",
-    "byte_tokenizer",
-    "SCENARIO_CASES",
-    "DynamicCache",
-    "free_port",
-    "TOL",
-    "generate",
-    "greedy_logits",
-    "max_logit_diff",
-    "model_pair",
-    "pikv",
-    "prompt",
-    "run_without_interpreter",
-    "shard_of_positions",
-    "slot_shard",
-]
+def run_benchmark(script: str, *args: str, timeout: float = 600) -> None:
+    """Run ``benchmarks/<script>`` with ``args`` from the repository root in a subprocess (``src`` first on its path),
+    failing the test with the end of its stderr when it exits non-zero."""
+    path = os.pathsep.join(filter(None, (str(TESTS.parent / "src"), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "PYTHONPATH": path}
+    command = [sys.executable, f"benchmarks/{script}", *args]
+    done = subprocess.run(command, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def on_kernel_device(args):
@@ -148,3 +135,29 @@ def on_kernel_device(args):
         else a
         for a in args
     )  # fmt: skip
+
+
+# one case per architecture for the generate scenarios: the model's own routing where it has one
+SCENARIO_CASES = [(a, "key_cluster" if a == "llama" else "expert") for a in TINY_ARCHS]
+
+
+__all__ = [
+    "ARCH_ROUTER_CASES",
+    "KERNEL_DEVICE",
+    "byte_tokenizer",
+    "SCENARIO_CASES",
+    "DynamicCache",
+    "free_port",
+    "TOL",
+    "generate",
+    "greedy_logits",
+    "max_logit_diff",
+    "model_pair",
+    "on_kernel_device",
+    "pikv",
+    "prompt",
+    "run_benchmark",
+    "run_without_interpreter",
+    "shard_of_positions",
+    "slot_shard",
+]

@@ -7,28 +7,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 WAYS = ["exact", "quest_1_8"]
 
 
 @pytest.fixture(scope="module")
 def point(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "e2e_tiny.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [
-        sys.executable, "benchmarks/bench_e2e.py", "--tiny", "--contexts", "192", "--batches", "1", "--steps", "2",
+    run_benchmark(
+        "bench_e2e.py", "--tiny", "--contexts", "192", "--batches", "1", "--steps", "2",
         "--rounds", "1", "--compile", "--compile-backend", "aot_eager", "--modes", "dynamic", *WAYS,
         "--compiled-modes", "static", *WAYS, "--note", "test run", "--out", str(out),
-    ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    )  # fmt: skip
     d = json.loads(out.read_text())
     assert d["note"] == "test run" and d["config"]["compile"]["backend"] == "aot_eager"
     assert len(d["points"]) == 1

@@ -10,12 +10,11 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))
@@ -31,20 +30,10 @@ NUMBERS = ["ms_per_token", "ms_ratio", "kernels_per_step", "busy_ms_per_step", "
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu_root")
     out = root / "benchmarks" / "results" / "gpu_tiny.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [
-        sys.executable,
-        "benchmarks/bench_gpu.py",
-        "--tiny",
-        "--out",
-        str(out),
-        "--compiled-ways",
-        *COMPILED_WAYS,
-        "--generate-ways",
-        "exact",
-    ]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_benchmark(
+        "bench_gpu.py", "--tiny", "--out", str(out), "--compiled-ways", *COMPILED_WAYS, "--generate-ways", "exact",
+        timeout=1200,
+    )  # fmt: skip
     return root, out, json.loads(out.read_text())
 
 

@@ -5,21 +5,14 @@ the pages, and the routed selection reads about the quarter of the tokens its ca
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import run_benchmark
 
 
 def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_path):
     out = tmp_path / "kernels_tiny.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "benchmarks/kernels.py", "--tokens", "512", "--batch", "1", "--page-sizes", "16", "1",
-               "--repeats", "1", "--out", str(out)]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_benchmark("kernels.py", "--tokens", "512", "--batch", "1", "--page-sizes", "16", "1", "--repeats", "1", "--out",
+                  str(out))  # fmt: skip
     d = json.loads(out.read_text())
     assert d["complete"] and d["graph_step"] is None  # no CUDA graph on the CPU
     cases = d["cases"]

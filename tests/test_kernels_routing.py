@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import KERNEL_DEVICE as DEVICE
 from helpers import run_without_interpreter
 
 from pikv_hf.kernels import place_key as place_mod
@@ -15,8 +16,6 @@ from pikv_hf.kernels import routed_plan as plan_mod
 from pikv_hf.kernels._triton import interpreted
 from pikv_hf.store.special import EMPTY
 from pikv_hf.store.summary import ShardStats
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _runs(kernel) -> bool:

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers import KERNEL_DEVICE as DEVICE
 from helpers import TOL, DynamicCache, generate, max_logit_diff, model_pair, pikv, prompt
 from torch._dynamo.backends.debugging import aot_eager
 
@@ -18,8 +19,6 @@ from pikv_hf.presses import QuantPress
 from pikv_hf.read import ReadPlan
 from pikv_hf.store import PagedStore
 from pikv_hf.tiny import tiny_config, tiny_model
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _models():

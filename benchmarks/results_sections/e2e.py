@@ -356,18 +356,27 @@ def _results_key(rec: Recorder, batch: int) -> str | None:
     return None if i is None else f"points.{i}.results."
 
 
+def _latest(rec: Recorder, batch: int) -> tuple[str, str, str] | None:
+    """Path, key prefix and section of the SmolLM2 results at 8192 tokens, 1 thread, ``batch`` rows: the later run
+    of every way where it has them, else the first run (None when neither does)."""
+    later = LATER if batch == 1 else LATER_BATCH4
+    i = point_index(rec, later, "smollm2", 1, batch, 8192) if rec.exists(later) else None
+    if i is not None:
+        return later, f"points.{i}.results.", "End-to-end decode, a later run of every way"
+    r = _results_key(rec, batch)
+    return None if r is None else (E2E, r, "End-to-end decode on the real model")
+
+
 def headline_e2e(rec: Recorder) -> tuple[str, str, str] | None:
     """End-to-end decode against DynamicCache at the longest context, batch 1 (the later run of every way when there
     is one)."""
-    later = point_index(rec, LATER, "smollm2", 1, 1, 8192) if rec.exists(LATER) else None
-    if later is not None:
-        p, r, section, run = LATER, f"points.{later}.results.", "End-to-end decode, a later run of every way", ""
-    else:
-        p, r, section, run = E2E, _results_key(rec, 1), "End-to-end decode on the real model", ""
-        if r is None:
-            return None
+    found = _latest(rec, 1)
+    if found is None:
+        return None
+    p, r, section = found
     ratio = {m: rec.fig("r2", at(p, r + f"{m}.ms_ratio")) for m in ("exact", "quest_1_8", "routed", "quant4")}
-    if later is None and rec.exists(QUANT_CODES):  # the 4-bit ways were measured again once their read went to codes
+    run = ""
+    if p == E2E and rec.exists(QUANT_CODES):  # the 4-bit ways were measured again once their read went to codes
         i = point_index(rec, QUANT_CODES, "smollm2", 1, 1, 8192)
         if i is not None:
             ratio["quant4"] = rec.fig("r2", at(QUANT_CODES, f"points.{i}.results.quant4.ms_ratio"))
@@ -383,13 +392,10 @@ def headline_e2e(rec: Recorder) -> tuple[str, str, str] | None:
 def headline_routing_gain(rec: Recorder) -> tuple[str, str, str] | None:
     """Routing's own gain: routed against PiKV's exact mode, batch 4 at the longest context (the later run when there
     is one)."""
-    later = point_index(rec, LATER_BATCH4, "smollm2", 1, 4, 8192) if rec.exists(LATER_BATCH4) else None
-    if later is not None:
-        p, r, section = LATER_BATCH4, f"points.{later}.results.", "End-to-end decode, a later run of every way"
-    else:
-        p, r, section = E2E, _results_key(rec, 4), "End-to-end decode on the real model"
-        if r is None:
-            return None
+    found = _latest(rec, 4)
+    if found is None:
+        return None
+    p, r, section = found
     return (
         "Routed vs PiKV exact, SmolLM2, 8192 tokens, batch 4",
         f"{rec.fig('ms', at(p, r + 'routed.ms_per_token'))} vs {rec.fig('ms', at(p, r + 'exact.ms_per_token'))} "

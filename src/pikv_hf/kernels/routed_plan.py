@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pikv_hf.kernels._host import next_power_of_2
+from pikv_hf.kernels._host import cdiv, next_power_of_2
 from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 from pikv_hf.read.plan import arange, compact
 from pikv_hf.store.special import special_page_mask
@@ -141,7 +141,7 @@ def _launch(chosen, shard, slots, spos, reach, qpos, start, page_size):
         return pages, full, used
     check_launchable(_routed_plan_kernel, dev)
     ns = slots.shape[-1]
-    _routed_plan_kernel[(b * h, -(-w // _BLOCK))](
+    _routed_plan_kernel[(b * h, cdiv(w, _BLOCK))](
         chosen.contiguous().view(torch.uint8), shard.contiguous(), slots.contiguous(), spos.contiguous(),
         reach.contiguous(), qpos, start.contiguous(), pages, full.view(torch.uint8), used, chosen.shape[-1], w, ns,
         page_size, BLOCK=_BLOCK, TILE=_TILE, BLOCK_NS=max(16, next_power_of_2(ns)),
