@@ -8,12 +8,14 @@ slots, ``pikv_hf.store.special``) and counts the needed pages before its block: 
 blocks before it plus the special pages there that are not a selected shard's (each page once). A page is *full*
 when its shard is selected, *needed* when full or special; the block's needed pages go to ``before + prefix sum -
 1``, and the last block's program pads the rest of the plan with ``-1`` (H100, 32k pages x 8 rows x 8 KV heads:
-0.26-0.33 ms per call, from 0.8; the ``TILE x entries`` match of the special pages is the likely limit on how many
-programs an SM holds). Output
-``pages`` (``[B, H, W]`` local page indices, ``-1`` padded, as ``pikv_hf.read.plan.compact``), ``page_full``
-(``[B, H, W]`` bool, True for a selected shard's page) and ``used`` (``[1]``, the longest row's pages, an atomic
-max over the programs: the CPU path trims the plan's padding to it). The operator is ``torch.ops.pikv.routed_plan``
-(the torch reference on the CPU, a fake implementation for tracing); it reads no value back to the host.
+0.26-0.33 ms per call, from 0.8). Special entries are matched against a tile's pages ``_ENTRIES`` at a time, and
+only in the tiles that hold one: the match of a whole tile against every entry at once held 254 registers a thread
+at sm_90 (2 programs of 4 warps per SM), this kernel 63 (8 per SM; ``tests/sm90.registers``; not yet timed on a
+GPU). Output ``pages`` (``[B, H, W]`` local page indices, ``-1`` padded, as ``pikv_hf.read.plan.compact``),
+``page_full`` (``[B, H, W]`` bool, True for a selected shard's page) and ``used`` (``[1]``, the longest row's pages,
+an atomic max over the programs: the CPU path trims the plan's padding to it). The operator is
+``torch.ops.pikv.routed_plan`` (the torch reference on the CPU, a fake implementation for tracing); it reads no
+value back to the host.
 
 Eager code on the CPU, where nothing needs to stay on a device, takes :func:`routed_plan_trimmed` instead: the same
 plan built no wider than its longest row (the width read back once), in about half the reference's time at 8k
@@ -32,43 +34,64 @@ from pikv_hf.read.plan import arange, compact
 from pikv_hf.store.special import special_page_mask
 
 _BLOCK = 2048  # frame pages per program
-_TILE = 128  # pages per step within a program's block (a special entry's page is matched over TILE x entries)
+_TILE = 128  # pages per step within a program's block
+_ENTRIES = 16  # special entries matched against a tile's pages at a time
+
+
+@jit
+def _special_pages(slot_ptr, spos_ptr, reach_ptr, qpos, start, r, NS, P, e):
+    """``[len(e)]`` int32: the frame page of each special entry ``e`` of row ``r`` that a query at ``qpos`` still reads
+    (a sink, or a recent token within the window), ``-1`` for the others."""
+    e_ok = e < NS
+    slot = tl.load(slot_ptr + r * NS + e, mask=e_ok, other=-1)
+    spos = tl.load(spos_ptr + r * NS + e, mask=e_ok, other=0)
+    read = e_ok & (slot >= 0) & (spos > qpos - tl.load(reach_ptr + e, mask=e_ok, other=0))
+    return tl.where(read, slot // P - start, -1).to(tl.int32)
 
 
 @jit
 def _routed_plan_kernel(
     chosen_ptr, shard_ptr, slot_ptr, spos_ptr, reach_ptr, qpos_ptr, start_ptr, pages_ptr, full_ptr, used_ptr, S, W,
     NS, P,
-    BLOCK: tl.constexpr, TILE: tl.constexpr, BLOCK_NS: tl.constexpr,
+    BLOCK: tl.constexpr, TILE: tl.constexpr, BLOCK_NS: tl.constexpr, ENTRIES: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     lo = tl.program_id(1) * BLOCK
-    # the frame page of each special entry a query at qpos still reads (a sink, or a recent token within the window)
+    qpos = tl.load(qpos_ptr).to(tl.int64)
+    start = tl.load(start_ptr + r)
     e = tl.arange(0, BLOCK_NS)
-    e_ok = e < NS
-    slot = tl.load(slot_ptr + r * NS + e, mask=e_ok, other=-1)
-    spos = tl.load(spos_ptr + r * NS + e, mask=e_ok, other=0)
-    read = e_ok & (slot >= 0) & (spos > tl.load(qpos_ptr).to(tl.int64) - tl.load(reach_ptr + e, mask=e_ok, other=0))
-    at_special = tl.where(read, slot // P - tl.load(start_ptr + r), -1)
-    # the pages needed only as special ones: each counted once, and not where its shard is selected (a full page)
+    at_special = _special_pages(slot_ptr, spos_ptr, reach_ptr, qpos, start, r, NS, P, e)
+    # the pages needed only as special ones: each counted once, and not where its shard is selected (a full page);
+    # entries are compared ENTRIES at a time (a [BLOCK_NS, BLOCK_NS] match held 254 registers a thread at sm_90)
     inside = (at_special >= 0) & (at_special < W)
-    sp_shard = tl.load(shard_ptr + r * W + at_special, mask=inside, other=-1).to(tl.int64)
+    sp_shard = tl.load(shard_ptr + r * W + at_special, mask=inside, other=-1)
     sp_full = tl.load(chosen_ptr + r * S + sp_shard, mask=inside & (sp_shard >= 0), other=0) != 0
-    seen = tl.max(((at_special[None, :] == at_special[:, None]) & (e[None, :] < e[:, None])).to(tl.int32), 1) > 0
+    seen = e < 0
+    for e0 in range(0, NS, ENTRIES):
+        f = e0 + tl.arange(0, ENTRIES)
+        other = _special_pages(slot_ptr, spos_ptr, reach_ptr, qpos, start, r, NS, P, f)
+        earlier = (other[None, :] == at_special[:, None]) & (f[None, :] < e[:, None])
+        seen = seen | (tl.max(earlier.to(tl.int32), 1) > 0)
     extra = inside & ~sp_full & ~seen
     # where this block's pages go: the needed pages of the blocks before it (full ones counted block by block)
     carry = tl.sum((extra & (at_special < lo)).to(tl.int32), 0)
     for w0 in range(0, lo, BLOCK):
         ws = w0 + tl.arange(0, BLOCK)
-        shard = tl.load(shard_ptr + r * W + ws).to(tl.int64)  # every page of a block before this one is in the frame
+        shard = tl.load(shard_ptr + r * W + ws)  # every page of a block before this one is in the frame
         carry += tl.sum((tl.load(chosen_ptr + r * S + shard, mask=shard >= 0, other=0) != 0).to(tl.int32), 0)
-    # this block: a page is needed when full or special; its needed pages go to carry + prefix sum - 1
+    # this block: a page is needed when full or special; its needed pages go to carry + prefix sum - 1. A tile is
+    # matched against the special entries only when one of them lies in it (a few tiles of a long frame)
     for w0 in range(lo, lo + BLOCK, TILE):
         ws = w0 + tl.arange(0, TILE)
         w_ok = ws < W
-        shard = tl.load(shard_ptr + r * W + ws, mask=w_ok, other=-1).to(tl.int64)
+        shard = tl.load(shard_ptr + r * W + ws, mask=w_ok, other=-1)
         full = tl.load(chosen_ptr + r * S + shard, mask=w_ok & (shard >= 0), other=0) != 0
-        special = tl.max((at_special[None, :] == ws[:, None]).to(tl.int32), 1) > 0
+        special = ws < 0
+        if tl.sum(((at_special >= w0) & (at_special < w0 + TILE)).to(tl.int32), 0) > 0:
+            for e0 in range(0, NS, ENTRIES):
+                f = e0 + tl.arange(0, ENTRIES)
+                other = _special_pages(slot_ptr, spos_ptr, reach_ptr, qpos, start, r, NS, P, f)
+                special = special | (tl.max((other[None, :] == ws[:, None]).to(tl.int32), 1) > 0)
         need = (full | special) & w_ok
         at = carry + tl.cumsum(need.to(tl.int32), 0) - 1
         tl.store(pages_ptr + r * W + at, ws.to(tl.int64), mask=need)
@@ -76,11 +99,11 @@ def _routed_plan_kernel(
         carry += tl.sum(need.to(tl.int32), 0)
     if lo + BLOCK >= W:  # the last block: carry is the row's needed pages; the rest of its plan is padding
         tl.atomic_max(used_ptr, carry)
-        for w0 in range((carry // BLOCK) * BLOCK, W, BLOCK):
-            ws = w0 + tl.arange(0, BLOCK)
+        for w0 in range((carry // TILE) * TILE, W, TILE):
+            ws = w0 + tl.arange(0, TILE)
             rest = (ws >= carry) & (ws < W)
-            tl.store(pages_ptr + r * W + ws, tl.full([BLOCK], -1, tl.int64), mask=rest)
-            tl.store(full_ptr + r * W + ws, tl.zeros([BLOCK], tl.uint8), mask=rest)
+            tl.store(pages_ptr + r * W + ws, tl.full([TILE], -1, tl.int64), mask=rest)
+            tl.store(full_ptr + r * W + ws, tl.zeros([TILE], tl.uint8), mask=rest)
 
 
 def routed_plan_reference(
@@ -144,7 +167,7 @@ def _launch(chosen, shard, slots, spos, reach, qpos, start, page_size):
     _routed_plan_kernel[(b * h, cdiv(w, _BLOCK))](
         chosen.contiguous().view(torch.uint8), shard.contiguous(), slots.contiguous(), spos.contiguous(),
         reach.contiguous(), qpos, start.contiguous(), pages, full.view(torch.uint8), used, chosen.shape[-1], w, ns,
-        page_size, BLOCK=_BLOCK, TILE=_TILE, BLOCK_NS=max(16, next_power_of_2(ns)),
+        page_size, BLOCK=_BLOCK, TILE=_TILE, BLOCK_NS=max(16, next_power_of_2(ns)), ENTRIES=_ENTRIES,
     )  # fmt: skip
     return pages, full, used
 
