@@ -361,7 +361,7 @@ def test_pikv_hf_and_the_references_import_without_triton():
 
 _COMPILE_SM90 = """
 import triton.language as tl
-from sm90 import compile_sm90
+from sm90 import compile_sm90, registers
 from pikv_hf.kernels import decode
 types = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8", "count_ptr": "*i32",
          "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -375,6 +375,11 @@ for bits, page, block_n, table in cases:  # table 0: global ids, 1: local ids of
     kv = dict.fromkeys(("k_ptr", "v_ptr"), "*u8" if bits else "*bf16")
     kernel = compile_sm90(decode._split_kernel, types | kv, const, num_warps=4, num_stages=2)
     print(f"{bits}-{table}", kernel.metadata.shared)
+    if (bits, table) == (0, 1):  # the autotuner's configurations capped in registers
+        for block_n, warps, stages in decode._CAPPED:
+            capped = compile_sm90(decode._split_kernel, types | kv, const | dict(BLOCK_N=block_n), num_warps=warps,
+                                  num_stages=stages, maxnreg=decode._REG_CAP)
+            print(f"capped-{block_n}", registers(capped)[0])
 const = dict(R=4, G=4, Q=1, DV=128, BLOCK_S=16, BLOCK_DV=128, HAS_SINKS=True)
 types = {"count_ptr": "*i32", "attended_ptr": "*i64", "H": "i32", "num_splits": "i32"}
 print("merge", compile_sm90(decode._merge_kernel, types, const, default="*fp32").metadata.num_warps)
@@ -385,11 +390,14 @@ def test_split_kernel_compiles_for_sm90_without_a_gpu():
     """The CUDA front end (unlike the interpreter) compiles every branch after a constexpr early return: the kernel
     of each code width and table mode (global ids, a run's local ids, no table) must compile for sm_90 (bfloat16
     dots, sparse plan, value groups of 64) as triton does on a GPU (an 8-bit ``reshape`` that could not change the
-    element count failed only there), and so must the merge kernel. A subprocess without ``TRITON_INTERPRET`` (the
-    interpreter's kernels cannot be compiled)."""
+    element count failed only there), and so must the merge kernel and the autotuner's register-capped
+    configurations (holding their cap). A subprocess without ``TRITON_INTERPRET`` (the interpreter's kernels cannot be
+    compiled)."""
     shared = dict(line.split() for line in run_without_interpreter(_COMPILE_SM90).split("\n") if line)
+    capped = {k: int(shared.pop(k)) for k in list(shared) if k.startswith("capped-")}
     assert sorted(shared) == ["0-0", "0-1", "0-2", "2-1", "4-2", "8-0", "merge"]
     assert all(int(v) > 0 for v in shared.values())
+    assert sorted(capped) == ["capped-128", "capped-64"] and max(capped.values()) <= 128  # maxnreg holds
 
 
 def test_runs_read_by_local_ids_and_without_a_table_equal_the_global_table():

@@ -161,8 +161,8 @@ def test_4bit_operator_passes_opcheck():
 
 _COMPILE_SM90 = """
 import triton.language as tl
-from sm90 import compile_sm90
-from pikv_hf.kernels import decode_quant, dequant
+from sm90 import compile_sm90, registers
+from pikv_hf.kernels import decode, decode_quant, dequant
 
 types = {"q_ptr": "*bf16", "kq_ptr": "*u8", "vq_ptr": "*u8", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8",
          "count_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -173,6 +173,11 @@ for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
                  DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=group, SPAN=4096, BLOCK_N=block_n)
     k = compile_sm90(decode_quant._split_q4_kernel, types, const, num_warps=4, num_stages=3)
     print(f"q4-{page}", k.metadata.shared)
+    if page == 64:  # the autotuner's configurations capped in registers
+        for block_n, warps, stages in decode_quant._Q4_CAPPED:
+            k = compile_sm90(decode_quant._split_q4_kernel, types, const | dict(BLOCK_N=block_n), num_warps=warps,
+                             num_stages=stages, maxnreg=decode._REG_CAP)
+            print(f"capped-{warps}", registers(k)[0])
 types = dict.fromkeys(("kq_ptr", "vq_ptr"), "*u8") | dict.fromkeys(("k_out_ptr", "v_out_ptr"), "*bf16")
 const = dict(P=64, DK=128, DV=128, BITS=4, GROUP=64, BLOCK_P=16, BLOCK_BK=64, BLOCK_BV=64)
 k = compile_sm90(dequant._dequant_kernel, types, const, "*fp16", num_warps=4, num_stages=3)
@@ -184,8 +189,11 @@ def test_4bit_kernels_compile_for_sm90_without_a_gpu():
     """The CUDA front end compiles what the interpreter does not check (dot shapes and dtypes, layouts of the
     nibble halves): the 4-bit decode kernel (a tile in one page and over several pages, one to four value groups)
     and the dequantisation kernel must compile for sm_90 with bfloat16 dots, in a subprocess without
-    ``TRITON_INTERPRET``."""
+    ``TRITON_INTERPRET``; so must the autotuner's register-capped configurations of the 4-bit kernel, within their
+    cap."""
     built = dict(line.split() for line in run_without_interpreter(_COMPILE_SM90).split("\n") if line)
+    capped = {k: int(built.pop(k)) for k in list(built) if k.startswith("capped-")}
+    assert sorted(capped) == ["capped-4", "capped-8"] and max(capped.values()) <= 128  # maxnreg holds
     assert sorted(built) == ["dequant", "q4-128", "q4-16", "q4-64"]
     assert all(int(built[name]) > 0 for name in ("q4-128", "q4-16", "q4-64"))  # the dots stage tiles in shared memory
 

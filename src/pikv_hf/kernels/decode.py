@@ -47,6 +47,18 @@ _TUNE_FROM_SLOTS = 1024  # table rows of at least this many slots launch the aut
 _LOG2E = 1.4426950408889634
 # (BLOCK_N, warps, stages) the autotuned kernel tries on CUDA
 _CONFIGS = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3))
+# tried once more with at most 128 registers a thread: at sm_90 the 64- and 128-slot tiles of 16-bit pages take
+# 160-201 uncapped (12 warps per SM), capped 16 warps with a few registers spilled (tests/sm90.registers); the
+# tuner decides
+_REG_CAP, _CAPPED = 128, ((64, 4, 3), (128, 8, 3))
+
+
+def tuned_configs(configs: tuple, capped: tuple) -> list:
+    """Autotune configurations of a split kernel: ``(BLOCK_N, warps, stages)`` each, then ``capped`` again with at
+    most ``_REG_CAP`` registers a thread."""
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in configs] + [
+        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st, maxnreg=_REG_CAP) for n, w, st in capped
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
@@ -345,7 +357,7 @@ _split_kernel = jit(_split_kernel_fn)
 _split_kernel_tuned = None  # on CUDA: the same kernel autotuned over tile sizes, warps and pipeline stages
 if HAVE_TRITON and not interpreted(_split_kernel):
     _split_kernel_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in _CONFIGS],
+        configs=tuned_configs(_CONFIGS, _CAPPED),
         key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL", "HAS_LEN", "SPAN", "TABLE"],
     )(triton.jit(_split_kernel_fn))
 # the autotuner's key (and the argument dtypes) -> its best configuration's launch options, filled by the first call

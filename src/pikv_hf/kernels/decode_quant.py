@@ -76,6 +76,7 @@ from pikv_hf.kernels.decode import (
     _tile,
     check_decode_args,
     run_decode,
+    tuned_configs,
 )
 
 BITS = (2, 4, 8)
@@ -212,6 +213,7 @@ _Q4_MAX_GROUPS = 4  # value groups per head the 4-bit kernel takes (a pair of do
 # hide the latency of the small code loads (a 128-slot tile of 4-bit K and V is 16 KiB at D = 128)
 _Q4_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3),
                (128, 8, 4))  # fmt: skip
+_Q4_CAPPED = ((64, 4, 3), (64, 8, 3))  # again at most 128 registers a thread: 207-255 uncapped (2 programs per SM)
 
 
 def q4_fits(dk: int, dv: int, group: int) -> bool:
@@ -348,7 +350,7 @@ _split_q4_kernel = jit(_split_q4_kernel_fn)
 _split_q4_kernel_tuned = None  # on CUDA: autotuned over tile sizes, warps and pipeline stages (H100 / H200 shapes)
 if HAVE_TRITON and not interpreted(_split_q4_kernel):
     _split_q4_kernel_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in _Q4_CONFIGS],
+        configs=tuned_configs(_Q4_CONFIGS, _Q4_CAPPED),
         key=["PAGE", "DK", "DV", "BLOCK_R", "GROUP", "HAS_FULL", "HAS_LEN", "SPAN"],
     )(triton.jit(_split_q4_kernel_fn))
 
