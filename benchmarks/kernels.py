@@ -21,7 +21,8 @@ on the device.
 * on CUDA, ``graph_ms``: the same read captured in a CUDA graph (device time only; ``ms`` minus it is the host's
   per-call work, which dominates short eager reads);
 * ``routed_selection``: the routed read's selection (``route_select``) and plan (``routed_plan``) of one layer at the
-  largest ``--tokens`` in the README's setting (256 shards, pages of one), to set against the read they plan;
+  largest ``--tokens`` in the README's setting (256 shards, pages of one), to set against the read they plan
+  (timed first, so that a run cut short still has it);
 * on CUDA, ``graph_step``: the attention of a ``--graph-layers`` layer decode step at 25% selection captured in a
   CUDA graph, against its bytes bound (attention only: selection precomputed, no projections or MLPs).
 
@@ -394,8 +395,6 @@ def main() -> None:
     meta = run_metadata(args.threads)
     meta["machine"]["device"] = name
 
-    selection = None
-
     def write(graph: dict | None, complete: bool) -> None:  # after every layout: a run cut short keeps its rows
         meta["machine"]["load_average_1m_at_end"] = os.getloadavg()[0]  # other work on the box inflates CPU timings
         result = {
@@ -419,6 +418,8 @@ def main() -> None:
         }  # fmt: skip
         write_result(out, result)
 
+    selection = routed_selection(args, ms, args.tokens[-1], args.batch[0])  # first: short, and a cut run keeps it
+    write(None, False)
     for tokens, batch, (page_size, bits) in itertools.product(args.tokens, args.batch, layouts):
         built = filled_store(args, tokens, batch, page_size, bits)
         cases += [one_case(args, ms, backend, built, fraction, peak, gen) for fraction in args.fractions]
@@ -426,8 +427,6 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
         write(None, False)
-    selection = routed_selection(args, ms, args.tokens[-1], args.batch[0])
-    write(None, False)
     graph = None
     if cuda and args.graph_layers:
         graph = graph_step(args, ms, backend, args.tokens[0], args.batch[0], peak, gen)
