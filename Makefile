@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test test-slow lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-gpu gpu-check bench-ops clean-venv
+.PHONY: demo test test-slow lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-resources bench-gpu gpu-check bench-ops clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -94,6 +94,11 @@ bench-distributed: $(STAMP)
 KERNELS_PY := $(if $(wildcard $(PY)),$(PY),python3)
 bench-kernels:
 	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(KERNELS_PY) benchmarks/kernels.py
+
+# Registers, spills, occupancy and SASS instructions per slot of the decode kernels compiled for sm_90 on this CPU (no
+# GPU; ~1 minute): benchmarks/results/kernel_resources_sm90.json, shown by `make results`
+bench-resources: $(STAMP)
+	$(PY) benchmarks/kernel_resources.py
 
 # On a machine with a CUDA GPU and its own torch / triton (no venv, nothing installed, no network): every way eager
 # against DynamicCache and compiled against StaticCache at 32k x batch 1 and 8, random weights of Llama-3.1-8B's and

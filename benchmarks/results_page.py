@@ -53,6 +53,7 @@ SECTIONS = [
     Section("Page store ragged budgets", (memory.STORE_RAGGED,), memory.store_ragged),
     Section("Prefill memory", (memory.PREFILL_MEMORY,), memory.prefill_memory),
     Section("Kernels", (decode.KERNELS_GLOB,), decode.kernels),
+    Section("Kernel resources at sm_90", (decode.KERNEL_RESOURCES,), decode.kernel_resources),
     Section("Distributed", (memory.DISTRIBUTED,), memory.distributed),
 ]
 

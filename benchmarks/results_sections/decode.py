@@ -299,6 +299,70 @@ def kernels(rec: Recorder) -> Body:
     )
 
 
+# ------------------------------------------------------------------------------------------------ kernel resources
+
+KERNEL_RESOURCES = f"{BENCH}/kernel_resources_sm90.json"
+
+
+def kernel_resources(rec: Recorder) -> Body:
+    """Registers, spills, occupancy and instructions per slot of the decode kernels compiled for sm_90."""
+    p = KERNEL_RESOURCES
+    d = rec.load(p)
+    rows = []
+    for i, r in enumerate(d["split_kernels"]):
+        k = f"split_kernels.{i}."
+        rows.append(
+            [r["kernel"], str(r["block_n"]), str(r["warps"]), str(r["stages"]), str(r["maxnreg"] or "-")]
+            + [rec.fig("int", at(p, k + f)) for f in ("registers", "spill_bytes", "programs_per_sm")]
+            + [rec.fig("r1", at(p, k + f)) for f in ("warp_instructions_per_slot", "bytes_per_slot")]
+            + [
+                rec.fig("r2", at(p, k + "bytes_per_warp_instruction")),
+                rec.fig("pct", at(p, k + "issue_bound_pct_of_peak")),
+            ]
+        )
+    header = ["kernel", "BLOCK_N", "warps", "stages", "register cap", "registers / thread", "spilled B / thread",
+              "programs / SM", "warp instructions / slot", "bytes / slot", "bytes / warp instruction",
+              "issue-bound % of HBM peak"]  # fmt: skip
+    text = table(header, rows)
+    small = [
+        [r["kernel"]]
+        + [rec.fig("int", at(p, f"routing_kernels.{i}.{f}")) for f in ("registers", "spill_bytes", "programs_per_sm")]
+        for i, r in enumerate(d["routing_kernels"])
+    ]
+    text += "\n\n" + table(
+        ["routing kernel (4 warps)", "registers / thread", "spilled B / thread", "programs / SM"], small
+    )
+
+    def span(field: str, bits: int, fmt: str = "r1") -> str:
+        lo = rec.fig(fmt, agg("min", p, "split_kernels", field, bits=bits))
+        return f"{lo}-{rec.fig(fmt, agg('max', p, 'split_kernels', field, bits=bits))}"
+
+    text += (
+        f"\n\nThe split kernels of 16-bit pages carry {span('bytes_per_warp_instruction', 16)} bytes per warp "
+        "instruction, so memory bounds them long before instruction issue does; the 4-bit kernels carry "
+        f"{span('bytes_per_warp_instruction', 4)}, so an SM issuing every cycle would read 4-bit pages at "
+        f"{span('issue_bound_pct_of_peak', 4, 'pct')}% of HBM peak at most: they are bound by instructions "
+        "(unpacking, conversion, per-tile reductions), which is why on the H100 and H200 they read 4-bit pages no "
+        "faster than the 16-bit kernel reads 16-bit ones."
+    )
+    return Body(
+        measured=(
+            f"each decode kernel compiled for {d['target']} by triton {d['triton']} (pointers 16-byte aligned, as a "
+            f"launch specialises them), Llama-3.1-8B's decode shape ({d['shape']['query_rows_per_kv_head']} query rows "
+            f"per KV head, head dim {d['shape']['head_dim']}, {d['shape']['dtype']}, 4-bit value groups of "
+            f"{d['shape']['value_group']}), every autotune configuration; registers and spills read from the cubin, "
+            "SASS instructions of one pass of the tile loop, programs per SM from registers, shared memory and warps; "
+            "issue-bound share of peak: bytes per warp instruction x 4 issues per cycle at 1.98 GHz over an H100 SM's "
+            "share of 3.35 TB/s (static numbers, not timings)"
+        ),
+        commands=[d["command"]],
+        machine=machine_text(rec, p),
+        reads=NA_READS,
+        budget="not applicable",
+        text=text,
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- headline
 
 

@@ -1,0 +1,203 @@
+"""What the decode kernels cost a Hopper SM, without a GPU: each kernel compiled for sm_90 by triton's CUDA front end
+(``tests/sm90.py``: pointers 16-byte aligned, as a launch specialises torch's tensors) at Llama-3.1-8B's decode shape
+(4 query rows per KV head, head dim 128, bfloat16), then read from its cubin with the ``cuobjdump`` triton ships:
+
+* ``registers`` and ``spill_bytes`` (stack) per thread, ``shared_bytes`` per program;
+* ``programs_per_sm``: how many programs an H100 / H200 SM holds (65,536 registers in units of 256 per warp, 228 KiB of
+  shared memory, 64 warps);
+* for the split decode kernels, ``loop_instructions``: SASS instructions of one pass of the tile loop (``BLOCK_N``
+  slots of one (row, KV head) for the GQA group; ``loop_mma`` / ``kernel_mma``: its tensor-core instructions and the
+  kernel's, equal when the loop found is the tile loop), ``warp_instructions_per_slot`` = that x warps / ``BLOCK_N``,
+  and ``bytes_per_slot`` (K/V fields, ``pos`` and ``valid``, per-page fields and the table entry shared by the page's
+  slots, as ``benchmarks/kernels.py`` counts them). Their ratio, bytes per warp instruction, says whether a kernel can
+  reach the bandwidth limit: an H100 SM issues at most 4 warp instructions a cycle (about 7.9 per ns at 1.98 GHz) and
+  its share of 3.35 TB/s is 25.4 B/ns, so a read below about 3.2 B per warp instruction is bound by issuing
+  instructions before it is bound by memory (``issue_bound_pct_of_peak``: the share of peak bandwidth at which the SM
+  would issue every cycle).
+
+Static numbers, not timings: they explain the GPU timings of ``benchmarks/kernels.py`` and rank designs before a GPU is
+at hand. ~1 minute on a CPU.
+
+    python benchmarks/kernel_resources.py       # writes benchmarks/results/kernel_resources_sm90.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels (the interpreter's cannot be compiled)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from bench_cache import run_metadata, write_result  # noqa: E402
+from sm90 import compile_sm90, registers  # noqa: E402
+
+from pikv_hf.kernels import decode, decode_quant, place_key, route_select, routed_plan  # noqa: E402
+
+REGS_PER_SM, SHARED_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
+SM_ISSUE_PER_NS, SM_BYTES_PER_NS = 4 * 1.98, 3350 / 132  # H100 SXM: warp instructions and HBM bytes per SM per ns
+D, G, GROUP = 128, 4, 64  # head dim, query rows per KV head, 4-bit value group
+SPLIT_TYPES = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8", "count_ptr": "*i32",
+               "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32",
+               **dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16"),
+               **dict.fromkeys(("table_ptr", "start_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")}  # fmt: skip
+
+
+def cubin_sass(compiled) -> str:
+    """SASS of a compiled kernel (``cuobjdump -sass`` of its cubin)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_instructions(sass: str) -> tuple[int, int, int]:
+    """``(instructions, tensor-core instructions, tensor-core instructions of the whole kernel)`` of the longest loop:
+    the span of the backward branch that covers the most addresses (the tile loop of a split kernel, which holds
+    every dot)."""
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    spans = [(int(m.group(1), 16), a) for a, text in code if (m := re.search(r"BRA (0x[0-9a-f]+)", text))]
+    spans = [(lo, hi) for lo, hi in spans if lo < hi]
+    mma = sum("MMA" in text for _, text in code)
+    if not spans:
+        return 0, 0, mma
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    body = [text for a, text in code if lo <= a <= hi]
+    return len(body), sum("MMA" in text for text in body), mma
+
+
+def occupancy(regs: int, shared: int, warps: int) -> int:
+    """Programs of ``warps`` warps an SM holds (registers allocated per warp in units of 256)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = REGS_PER_SM // (per_warp * warps)
+    by_shared = SHARED_PER_SM // shared if shared else WARPS_PER_SM
+    return min(by_regs, by_shared, WARPS_PER_SM // warps)
+
+
+def resources(compiled, warps: int) -> dict:
+    regs, stack = registers(compiled)
+    shared = compiled.metadata.shared
+    return {"registers": regs, "spill_bytes": stack, "shared_bytes": shared, "warps": warps,
+            "programs_per_sm": occupancy(regs, shared, warps)}  # fmt: skip
+
+
+def split_row(
+    name: str, bits: int, kernel, types: dict, const: dict, block_n: int, warps: int, stages: int, maxnreg, per_slot
+):  # fmt: skip
+    """One configuration of a split decode kernel, with its loop's instructions against the bytes it reads."""
+    options = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    compiled = compile_sm90(kernel, types, const | {"BLOCK_N": block_n}, **options)
+    row = {
+        "kernel": name,
+        "bits": bits,
+        "block_n": block_n,
+        "stages": stages,
+        "maxnreg": maxnreg,
+        **resources(compiled, warps),
+    }
+    loop, loop_mma, mma = loop_instructions(cubin_sass(compiled))
+    per_slot_instr = loop * warps / block_n
+    row.update(
+        loop_instructions=loop,
+        loop_mma=loop_mma,
+        kernel_mma=mma,
+        warp_instructions_per_slot=per_slot_instr,
+        bytes_per_slot=per_slot,
+        bytes_per_warp_instruction=per_slot / per_slot_instr,
+        issue_bound_pct_of_peak=100 * min(1.0, per_slot / per_slot_instr * SM_ISSUE_PER_NS / SM_BYTES_PER_NS),
+    )
+    print(f"{name:28s} BLOCK_N {block_n:3d} warps {warps} stages {stages} cap {maxnreg or '-':>3}: "
+          f"{row['registers']:3d} regs, {row['spill_bytes']:4d} B spilled, {row['programs_per_sm']} per SM, "
+          f"{per_slot_instr:5.1f} warp instr / slot, {row['bytes_per_warp_instruction']:5.2f} B / warp instr",
+          flush=True)  # fmt: skip
+    return row
+
+
+def split_kernels(tiles: list[int]) -> list[dict]:
+    """The dense (pages of 16 and of 1), generic 4-bit and 4-bit codes split kernels over every autotune
+    configuration whose tile is in ``tiles``."""
+    common = dict(G=G, Q=1, DK=D, DV=D, BLOCK_R=16, HAS_LEN=True, HAS_FULL=False, HAS_SLIDING=False,
+                  DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=GROUP, SPAN=4096)  # fmt: skip
+    bf16 = SPLIT_TYPES | dict.fromkeys(("k_ptr", "v_ptr"), "*bf16")
+    codes = SPLIT_TYPES | dict.fromkeys(("k_ptr", "v_ptr", "kq_ptr", "vq_ptr"), "*u8")
+    dense_slot = 2 * D * 2 + 5  # K and V, pos (4 B) and valid (1 B)
+    quant_slot = D + 2 * 2 + 5 + (2 * 2 * D + 8) / 64  # codes, value scale / zero, pos / valid; per page of 64
+    cases = [
+        ("dense, pages of 16", decode._split_kernel, bf16, common | dict(PAGE=16, BITS=0, TABLE=1), decode._CONFIGS,
+         decode._CAPPED, dense_slot + 8 / 16),
+        ("dense, pages of 1", decode._split_kernel, bf16, common | dict(PAGE=1, BITS=0, TABLE=1), decode._CONFIGS,
+         decode._CAPPED, dense_slot + 8),
+        ("4-bit, dequantised", decode._split_kernel, codes, common | dict(PAGE=64, BITS=4, TABLE=0),
+         decode._CONFIGS, decode._CAPPED, quant_slot),
+        ("4-bit, codes dotted", decode_quant._split_q4_kernel, codes, common | dict(PAGE=64),
+         decode_quant._Q4_CONFIGS, decode_quant._Q4_CAPPED, quant_slot),
+    ]  # fmt: skip
+    rows = []
+    for name, kernel, types, const, configs, capped, per_slot in cases:
+        if "BLOCK_DK" in kernel.arg_names:
+            const = const | dict(BLOCK_DK=D, BLOCK_DV=D)
+        runs = [(*c, None) for c in configs] + [(*c, decode._REG_CAP) for c in capped]
+        for n, w, st, cap in runs:
+            if n in tiles:
+                rows.append(
+                    split_row(name, 4 if "4-bit" in name else 16, kernel, types, const, n, w, st, cap, per_slot)
+                )
+    return rows
+
+
+def routing_kernels() -> list[dict]:
+    """The routed step's selection, plan and placement kernels as the sm_90 compile tests build them."""
+    f32 = "*fp32"
+    cases = [
+        ("route_select (top-p)", route_select._route_select_kernel,
+         dict(q_ptr="*bf16", sum_ptr=f32, sq_ptr=f32, n_ptr="*i64", score_ptr=f32, logit_ptr=f32, out_ptr="*u8",
+              target="fp32", scale="fp32"),
+         dict(G=G, D=D, BLOCK_G=G, BLOCK_S=64, BLOCK_D=32, HAS_MASS=True)),
+        ("routed_plan", routed_plan._routed_plan_kernel,
+         dict(chosen_ptr="*u8", shard_ptr="*i32", slot_ptr="*i64", spos_ptr="*i64", reach_ptr="*i64",
+              qpos_ptr="*i64", start_ptr="*i64", pages_ptr="*i64", full_ptr="*u8", used_ptr="*i32"),
+         dict(BLOCK=routed_plan._BLOCK, TILE=routed_plan._TILE, BLOCK_NS=128, ENTRIES=routed_plan._ENTRIES)),
+        ("place_key", place_key._place_key_kernel,
+         dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64"), dict(D=D, BLOCK_S=64, BLOCK_D=D)),
+    ]  # fmt: skip
+    rows = []
+    for name, kernel, types, const in cases:
+        row = {"kernel": name, **resources(compile_sm90(kernel, types, const, num_warps=4, num_stages=2), 4)}
+        print(f"{name:28s} {row['registers']:3d} regs, {row['spill_bytes']:4d} B spilled, {row['programs_per_sm']} "
+              "per SM", flush=True)  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiles", type=int, nargs="+", default=[32, 64, 128], help="BLOCK_N of the configs kept")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kernel_resources_sm90.json")
+    args = parser.parse_args()
+    result = {
+        "benchmark": "kernel_resources",
+        "command": " ".join(["python", *sys.argv]),
+        **run_metadata(1),
+        "target": "sm_90 (H100 / H200), compiled without a GPU",
+        "triton": triton.__version__,
+        "shape": {"query_rows_per_kv_head": G, "head_dim": D, "dtype": "bfloat16", "value_group": GROUP},
+        "sm": {"registers": REGS_PER_SM, "shared_bytes": SHARED_PER_SM, "warps": WARPS_PER_SM,
+               "issue_warp_instructions_per_ns": SM_ISSUE_PER_NS, "hbm_bytes_per_ns": SM_BYTES_PER_NS},
+        "split_kernels": split_kernels(args.tiles),
+        "routing_kernels": routing_kernels(),
+    }  # fmt: skip
+    write_result(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
