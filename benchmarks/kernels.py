@@ -18,6 +18,8 @@ on the device.
   speedups are those over the fused read;
 * FlashAttention: ``flash_attn_with_kvcache`` over the dense cache; FlashInfer: ``BatchDecodeWithPagedKVCacheWrapper``
   over the same pool pages and selection (each (row, KV head) one request of one KV head);
+* ``split_sweep`` (``--split-sweep``): a dense read through the kernel with other numbers of splits per (row, KV
+  head) than the host's choice, each checked against the backend's read;
 * on CUDA, ``graph_ms``: the same read captured in a CUDA graph (device time only; ``ms`` minus it is the host's
   per-call work, which dominates short eager reads);
 * ``routed_selection``: the routed read's selection (``route_select``) and plan (``routed_plan``) of one layer at the
@@ -48,6 +50,8 @@ from bench_cache import median_ms, read_bandwidth_gbs, run_metadata, write_resul
 from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.codecs.quant import QuantCodec
 from pikv_hf.kernels import gather_pages, gather_pages_reference
+from pikv_hf.kernels.decode import auto_splits, decode_attention
+from pikv_hf.kernels.decode_quant import QUANT_FIELDS, QuantPages, decode_attention_quant
 from pikv_hf.kernels.route_select import route_select
 from pikv_hf.kernels.routed_plan import routed_plan
 from pikv_hf.read import ReadPlan
@@ -197,6 +201,31 @@ def optional_baselines(args, ms, query, store, keys, values, pages, scale, dense
     return out
 
 
+def split_sweep(args, ms, store: PagedStore, query: torch.Tensor, qpos: torch.Tensor, want: torch.Tensor) -> dict:
+    """The dense read of ``store`` through the kernel itself with each of ``--split-sweep`` splits of every (row, KV
+    head)'s slots (the stage-1 programs are ``B x H x splits``): ms (in a CUDA graph on CUDA) and the largest
+    difference from the backend's read ``want``, beside the host's automatic choice (``auto_splits``)."""
+    table, pool = store.table, store.pool
+    scale = query.shape[-1] ** -0.5
+
+    def read(splits: int) -> torch.Tensor:
+        common = dict(lengths=table.n_pages, num_splits=splits, check=False)
+        if store.kv_fields == ("keys", "values"):
+            kv = (pool["keys"], pool["values"], pool["pos"], pool["valid"])
+            return decode_attention(query, *kv, None, qpos, scale, run_start=table.start, width=table.width(),
+                                    **common)[0]  # fmt: skip
+        quant = QuantPages(*(pool[name] for name in QUANT_FIELDS), bits=store.codec.bits)
+        return decode_attention_quant(query, quant, pool["pos"], pool["valid"], table.pages(), qpos, scale, **common)[0]
+
+    runs = []
+    for splits in args.split_sweep:
+        t = replay_ms(ms, lambda s=splits: read(s)) if args.device.type == "cuda" else ms(lambda s=splits: read(s))
+        runs.append({"splits": splits, "ms": t, "max_abs_diff": (read(splits) - want).abs().max().item()})
+    auto = auto_splits(query.device, store.batch * store.heads, int(table.n_pages.max()) * store.page_size)
+    print("  splits " + ", ".join(f"{r['splits']}: {r['ms']:.3f} ms" for r in runs) + f" (auto {auto})", flush=True)
+    return {"auto_splits": auto, "runs": runs}
+
+
 def one_case(args, ms, backend, built: tuple, fraction: float, peak: float, gen) -> dict:
     """One read of ``fraction`` of the pages of ``built = (store, keys, values)``: the fused read against SDPA over
     the dense keys (and, for stored pages, gather + SDPA and the optional engines)."""
@@ -245,6 +274,8 @@ def one_case(args, ms, backend, built: tuple, fraction: float, peak: float, gen)
         row.update(optional_baselines(args, ms, query, store, keys, values, pages, scale, plan.exact))
         line += f"  gather+SDPA {gather_ms:8.3f} ms (x{row['speedup_vs_gather_sdpa']:.2f})"
     print(line, flush=True)
+    if args.split_sweep and plan.exact:
+        row["split_sweep"] = split_sweep(args, ms, store, query, qpos, read().o)
     return row
 
 
@@ -374,6 +405,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     parser.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth (default: looked up)")
     parser.add_argument("--graph-layers", type=int, default=30, help="CUDA only; 0 skips the graph step")
+    parser.add_argument("--split-sweep", type=int, nargs="*", default=[],
+                        help="splits per (row, KV head) the dense reads are timed with besides the automatic choice "
+                        "(each a new autotune on CUDA: e.g. --tokens 32768 --page-sizes 16 --quant-bits 0 --fractions "
+                        "1 --graph-layers 0 --split-sweep 16 32 64)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=11, help="timed runs per measurement on CPU")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)

@@ -1,6 +1,7 @@
 """``benchmarks/kernels.py`` at tiny sizes on the CPU (the torch references timed), so that the script the GPU
 sessions run cannot rot: every case's read equals gather + SDPA over the same pages, sparse cases read their share of
-the pages, and the routed selection reads about the quarter of the tokens its cap allows."""
+the pages, the kernel run with 2 splits (``--split-sweep``, interpreted) equals the backend's dense
+read, and the routed selection reads about the quarter of the tokens its cap allows."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from helpers import run_benchmark
 
 def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_path):
     out = tmp_path / "kernels_tiny.json"
-    run_benchmark("kernels.py", "--tokens", "512", "--batch", "1", "--page-sizes", "16", "1", "--repeats", "1", "--out",
-                  str(out))  # fmt: skip
+    run_benchmark("kernels.py", "--tokens", "512", "--batch", "1", "--page-sizes", "16", "1", "--repeats", "1",
+                  "--split-sweep", "2", "--out", str(out))  # fmt: skip
     d = json.loads(out.read_text())
     assert d["complete"] and d["graph_step"] is None  # no CUDA graph on the CPU
     cases = d["cases"]
@@ -22,6 +23,13 @@ def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_pat
         assert c["pages_read"] == c["batch"] * c["kv_heads"] * max(1, round(c["selection_fraction"] * pages)), c
         if c["bits"] != 4:  # the fused read against gather + SDPA over the same pages (float32)
             assert c["max_abs_diff_vs_gather_sdpa"] < 1e-5, c
+    for c in cases:  # the kernel itself (interpreted) with 2 splits equals the backend's dense read
+        if c["selection_fraction"] == 1:
+            sweep = c["split_sweep"]
+            assert [r["splits"] for r in sweep["runs"]] == [2] and sweep["auto_splits"] == 1  # 1 off CUDA
+            assert all(r["ms"] > 0 and r["max_abs_diff"] < 1e-5 for r in sweep["runs"]), sweep
+        else:
+            assert "split_sweep" not in c
     sel = d["routed_selection"]
     assert (sel["tokens"], sel["batch"], sel["shards"]) == (512, 1, 256)
     # at most a quarter of the shards (random keys: about a quarter of the tokens) plus 4 sinks and 64 recent tokens
