@@ -142,8 +142,11 @@ def main() -> None:
             "met": None if way not in GOALS else n / base <= GOALS[way],
             "top_ops": c.counts.most_common(args.top),
         }
-        print(f"{way:>14}: {n:6d} ops per step, {n / base:.2f}x DynamicCache (goal {GOALS.get(way)}), "
-              f"{c.host_reads} host reads", flush=True)
+        print(
+            f"{way:>14}: {n:6d} ops per step, {n / base:.2f}x DynamicCache (goal {GOALS.get(way)}), "
+            f"{c.host_reads} host reads",
+            flush=True,
+        )
     result = {
         **run_metadata(1),
         "what": "aten operators one eager decode step dispatches (views, allocations and host reads apart), CPU",

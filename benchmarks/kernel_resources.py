@@ -41,7 +41,7 @@ import triton.language as tl  # noqa: E402
 from bench_cache import run_metadata, write_result  # noqa: E402
 from sm90 import compile_sm90, registers  # noqa: E402
 
-from pikv_hf.kernels import decode, decode_quant, place_key, route_select, routed_plan  # noqa: E402
+from pikv_hf.kernels import decode, decode_quant, place_key, quest, route_select, routed_plan  # noqa: E402
 
 REGS_PER_SM, SHARED_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 SM_ISSUE_PER_NS, SM_BYTES_PER_NS = 4 * 1.98, 3350 / 132  # H100 SXM: warp instructions and HBM bytes per SM per ns
@@ -155,8 +155,9 @@ def split_kernels(tiles: list[int]) -> list[dict]:
     return rows
 
 
-def routing_kernels() -> list[dict]:
-    """The routed step's selection, plan and placement kernels as the sm_90 compile tests build them."""
+def selection_kernels() -> list[dict]:
+    """The routed step's selection, plan and placement kernels and Quest's page scores as the sm_90 compile tests
+    build them (4 warps; the Quest scores with the warps they launch with)."""
     f32 = "*fp32"
     cases = [
         ("route_select (top-p)", route_select._route_select_kernel,
@@ -169,10 +170,15 @@ def routing_kernels() -> list[dict]:
          dict(BLOCK=routed_plan._BLOCK, TILE=routed_plan._TILE, BLOCK_NS=128, ENTRIES=routed_plan._ENTRIES)),
         ("place_key", place_key._place_key_kernel,
          dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64"), dict(D=D, BLOCK_S=64, BLOCK_D=D)),
+        ("quest_scores (pages of 16)", quest._scores_kernel,
+         dict(q_ptr="*bf16", kmin_ptr=f32, kmax_ptr=f32, valid_ptr="*u8", slot_ptr="*i64", spos_ptr="*i64",
+              reach_ptr="*i64", qpos_ptr="*i64", start_ptr="*i64", out_ptr=f32),
+         dict(G=G, D=D, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=D, BLOCK_P=16, BLOCK_S=128)),
     ]  # fmt: skip
     rows = []
     for name, kernel, types, const in cases:
-        row = {"kernel": name, **resources(compile_sm90(kernel, types, const, num_warps=4, num_stages=2), 4)}
+        warps = quest._SCORES_WARPS if kernel is quest._scores_kernel else 4
+        row = {"kernel": name, **resources(compile_sm90(kernel, types, const, num_warps=warps, num_stages=2), warps)}
         print(f"{name:28s} {row['registers']:3d} regs, {row['spill_bytes']:4d} B spilled, {row['programs_per_sm']} "
               "per SM", flush=True)  # fmt: skip
         rows.append(row)
@@ -194,7 +200,7 @@ def main() -> None:
         "sm": {"registers": REGS_PER_SM, "shared_bytes": SHARED_PER_SM, "warps": WARPS_PER_SM,
                "issue_warp_instructions_per_ns": SM_ISSUE_PER_NS, "hbm_bytes_per_ns": SM_BYTES_PER_NS},
         "split_kernels": split_kernels(args.tiles),
-        "routing_kernels": routing_kernels(),
+        "selection_kernels": selection_kernels(),
     }  # fmt: skip
     write_result(args.out, result)
 

@@ -25,5 +25,5 @@ def test_kernel_resources_benchmark_counts_the_tile_loop(tmp_path):
         assert r["warp_instructions_per_slot"] == pytest.approx(r["loop_instructions"] * r["warps"] / 32)
     per_instr = {bits: [r["bytes_per_warp_instruction"] for r in rows if r["bits"] == bits] for bits in (4, 16)}
     assert max(per_instr[4]) < min(per_instr[16])
-    plan = next(r for r in d["routing_kernels"] if r["kernel"] == "routed_plan")
+    plan = next(r for r in d["selection_kernels"] if r["kernel"] == "routed_plan")
     assert plan["registers"] <= 64 and plan["spill_bytes"] == 0 and plan["programs_per_sm"] == 8

@@ -326,11 +326,14 @@ def kernel_resources(rec: Recorder) -> Body:
     text = table(header, rows)
     small = [
         [r["kernel"]]
-        + [rec.fig("int", at(p, f"routing_kernels.{i}.{f}")) for f in ("registers", "spill_bytes", "programs_per_sm")]
-        for i, r in enumerate(d["routing_kernels"])
+        + [
+            rec.fig("int", at(p, f"selection_kernels.{i}.{f}"))
+            for f in ("warps", "registers", "spill_bytes", "programs_per_sm")
+        ]
+        for i, r in enumerate(d["selection_kernels"])
     ]
     text += "\n\n" + table(
-        ["routing kernel (4 warps)", "registers / thread", "spilled B / thread", "programs / SM"], small
+        ["selection kernel", "warps", "registers / thread", "spilled B / thread", "programs / SM"], small
     )
 
     def span(field: str, bits: int, fmt: str = "r1") -> str:

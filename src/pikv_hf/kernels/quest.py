@@ -30,6 +30,9 @@ from pikv_hf.store.special import special_page_mask
 
 _MAX_SORT = 8192  # pages of a frame sorted in registers by one program (more: torch.sort inside the operator)
 _BLOCK_W = 64  # pages per program of the score kernel
+# its warps: 4 held 254 registers a thread at sm_90 (the [64, 128] float32 key min / max tiles; 2 programs per SM),
+# 8 hold 128 (16 warps per SM; tests/sm90.registers)
+_SCORES_WARPS = 8
 
 
 @jit
@@ -103,7 +106,7 @@ def _scores_launch(qg, key_min, key_max, valid, slots, spos, reach, qpos, start,
             qg.contiguous(), key_min.float().contiguous(), key_max.float().contiguous(),
             valid.contiguous().view(torch.uint8), slots.contiguous(), spos.contiguous(), reach, qpos,
             start.contiguous(), out, w, n_special, G=g, D=d, P=page_size, BLOCK_W=_BLOCK_W, BLOCK_D=next_power_of_2(d),
-            BLOCK_P=next_power_of_2(page_size), BLOCK_S=max(16, next_power_of_2(n_special)),
+            BLOCK_P=next_power_of_2(page_size), BLOCK_S=max(16, next_power_of_2(n_special)), num_warps=_SCORES_WARPS,
         )  # fmt: skip
     return out
 
