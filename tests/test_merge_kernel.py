@@ -86,20 +86,32 @@ def test_merge_partials_dispatches_one_operator_equal_to_the_reference():
 
 
 _COMPILE_SM90 = """
-from sm90 import compile_sm90
+from sm90 import compile_sm90, registers
 from pikv_hf.kernels import merge, quest
 
 f32 = "*fp32"
 cases = [(merge._merge_kernel, dict(o1_ptr=f32, lse1_ptr=f32, o2_ptr=f32, lse2_ptr=f32, o_ptr=f32, lse_ptr=f32),
-          dict(BLOCK_R=16, BLOCK_D=128))]
+          dict(BLOCK_R=16, BLOCK_D=128), 4)]
 cases += [(quest._group_kernel, dict(score_ptr=f32, n_pages_ptr="*i64", out_ptr="*i64", fraction="fp32"),
-           dict(NS=ns, BLOCK=512)) for ns in (2, 4)]
-for kernel, types, const in cases:  # other parameters: i32
-    print(compile_sm90(kernel, types, const, num_warps=4, num_stages=2).name)
+           dict(NS=ns, BLOCK=512), 4) for ns in (2, 4)]
+cases.append((quest._scores_kernel,
+              dict(q_ptr="*bf16", kmin_ptr=f32, kmax_ptr=f32, valid_ptr="*u8", slot_ptr="*i64", spos_ptr="*i64",
+                   reach_ptr="*i64", qpos_ptr="*i64", start_ptr="*i64", out_ptr=f32),
+              dict(G=4, D=128, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=128, BLOCK_P=16, BLOCK_S=128),
+              quest._SCORES_WARPS))
+for kernel, types, const, warps in cases:  # other parameters: i32
+    compiled = compile_sm90(kernel, types, const, num_warps=warps, num_stages=2)
+    print(compiled.name, *registers(compiled))
 """
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
-    """The CUDA front end types what the interpreter does not check: the merge kernel and Quest's group selection
-    kernel (two and four stores) compile for sm_90 in a subprocess without ``TRITON_INTERPRET``."""
-    assert run_without_interpreter(_COMPILE_SM90).split() == ["_merge_kernel", "_group_kernel", "_group_kernel"]
+    """The CUDA front end types what the interpreter does not check: the merge kernel, Quest's group selection kernel
+    (two and four stores) and its score kernel (an 8B model's shape: 4 query rows per KV head, head dim 128, pages of
+    16, 68 sink and window entries) compile for sm_90 in a subprocess without ``TRITON_INTERPRET``. The score kernel,
+    launched with ``_SCORES_WARPS`` warps, holds at most 128 registers a thread without spilling (16 warps per SM;
+    with 4 warps its key min / max tiles took 254, 8 warps per SM)."""
+    built = [line.split() for line in run_without_interpreter(_COMPILE_SM90).splitlines()]
+    assert [name for name, _, _ in built] == ["_merge_kernel", "_group_kernel", "_group_kernel", "_scores_kernel"]
+    _, regs, stack = built[-1]
+    assert int(regs) <= 128 and int(stack) == 0, f"quest scores: {regs} registers, {stack} bytes of stack a thread"

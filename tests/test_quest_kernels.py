@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import on_kernel_device, run_without_interpreter
+from helpers import on_kernel_device
 
 from pikv_hf.kernels import quest
 from pikv_hf.kernels._triton import interpreted
@@ -168,28 +168,3 @@ def test_group_operator_dispatches_once_and_traces_with_its_fake():
         lambda s, n: torch.ops.pikv.quest_group_select(s, n, sizes, 0.125), fullgraph=True, backend="aot_eager"
     )  # fmt: skip
     assert torch.equal(compiled(scores, n_pages), got)
-
-
-_COMPILE_SM90 = """
-from sm90 import compile_sm90, registers
-from pikv_hf.kernels import quest
-
-f32 = "*fp32"
-types = dict(q_ptr="*bf16", kmin_ptr=f32, kmax_ptr=f32, valid_ptr="*u8", slot_ptr="*i64", spos_ptr="*i64",
-             reach_ptr="*i64", qpos_ptr="*i64", start_ptr="*i64", out_ptr=f32)
-const = dict(G=4, D=128, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=128, BLOCK_P=16, BLOCK_S=128)
-for warps in (4, quest._SCORES_WARPS):
-    print(warps, *registers(compile_sm90(quest._scores_kernel, types, const, num_warps=warps, num_stages=2)))
-"""
-
-
-def test_scores_kernel_compiles_for_sm90_within_128_registers():
-    """The score kernel at an 8B model's shape (4 query rows per KV head, head dim 128, pages of 16, a sink and
-    window of 68 entries) compiles for sm_90 and, launched with ``_SCORES_WARPS`` warps, holds at most 128 registers a
-    thread without spilling (16 warps per SM); with 4 warps its key min / max tiles took 254 (8 warps per SM)."""
-    built = {
-        int(w): (int(r), int(s))
-        for w, r, s in (line.split() for line in run_without_interpreter(_COMPILE_SM90).splitlines())
-    }
-    assert built[quest._SCORES_WARPS][0] <= 128 and built[quest._SCORES_WARPS][1] == 0, built
-    assert built[4][0] > 128  # what the warps are for
