@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +37,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from bench_cache import run_metadata, write_result  # noqa: E402
-from sm90 import compile_sm90, registers  # noqa: E402
+from sm90 import compile_sm90, cuobjdump, registers  # noqa: E402
 
 from pikv_hf.kernels import decode, decode_quant, place_key, quest, route_select, routed_plan  # noqa: E402
 
@@ -50,15 +48,6 @@ SPLIT_TYPES = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_pt
                "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32",
                **dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16"),
                **dict.fromkeys(("table_ptr", "start_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")}  # fmt: skip
-
-
-def cubin_sass(compiled) -> str:
-    """SASS of a compiled kernel (``cuobjdump -sass`` of its cubin)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def loop_instructions(sass: str) -> tuple[int, int, int]:
@@ -105,7 +94,7 @@ def split_row(
         "maxnreg": maxnreg,
         **resources(compiled, warps),
     }
-    loop, loop_mma, mma = loop_instructions(cubin_sass(compiled))
+    loop, loop_mma, mma = loop_instructions(cuobjdump(compiled, "-sass"))
     per_slot_instr = loop * warps / block_n
     row.update(
         loop_instructions=loop,
@@ -157,27 +146,26 @@ def split_kernels(tiles: list[int]) -> list[dict]:
 
 def selection_kernels() -> list[dict]:
     """The routed step's selection, plan and placement kernels and Quest's page scores as the sm_90 compile tests
-    build them (4 warps; the Quest scores with the warps they launch with)."""
+    build them, each with the warps it launches with."""
     f32 = "*fp32"
     cases = [
         ("route_select (top-p)", route_select._route_select_kernel,
          dict(q_ptr="*bf16", sum_ptr=f32, sq_ptr=f32, n_ptr="*i64", score_ptr=f32, logit_ptr=f32, out_ptr="*u8",
               target="fp32", scale="fp32"),
-         dict(G=G, D=D, BLOCK_G=G, BLOCK_S=64, BLOCK_D=32, HAS_MASS=True)),
+         dict(G=G, D=D, BLOCK_G=G, BLOCK_S=64, BLOCK_D=32, HAS_MASS=True), 4),
         ("routed_plan", routed_plan._routed_plan_kernel,
          dict(chosen_ptr="*u8", shard_ptr="*i32", slot_ptr="*i64", spos_ptr="*i64", reach_ptr="*i64",
               qpos_ptr="*i64", start_ptr="*i64", pages_ptr="*i64", full_ptr="*u8", used_ptr="*i32"),
-         dict(BLOCK=routed_plan._BLOCK, TILE=routed_plan._TILE, BLOCK_NS=128, ENTRIES=routed_plan._ENTRIES)),
+         dict(BLOCK=routed_plan._BLOCK, TILE=routed_plan._TILE, BLOCK_NS=128, ENTRIES=routed_plan._ENTRIES), 4),
         ("place_key", place_key._place_key_kernel,
-         dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64"), dict(D=D, BLOCK_S=64, BLOCK_D=D)),
+         dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64"), dict(D=D, BLOCK_S=64, BLOCK_D=D), 4),
         ("quest_scores (pages of 16)", quest._scores_kernel,
          dict(q_ptr="*bf16", kmin_ptr=f32, kmax_ptr=f32, valid_ptr="*u8", slot_ptr="*i64", spos_ptr="*i64",
               reach_ptr="*i64", qpos_ptr="*i64", start_ptr="*i64", out_ptr=f32),
-         dict(G=G, D=D, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=D, BLOCK_P=16, BLOCK_S=128)),
+         dict(G=G, D=D, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=D, BLOCK_P=16, BLOCK_S=128), quest._SCORES_WARPS),
     ]  # fmt: skip
     rows = []
-    for name, kernel, types, const in cases:
-        warps = quest._SCORES_WARPS if kernel is quest._scores_kernel else 4
+    for name, kernel, types, const, warps in cases:
         row = {"kernel": name, **resources(compile_sm90(kernel, types, const, num_warps=warps, num_stages=2), warps)}
         print(f"{name:28s} {row['registers']:3d} regs, {row['spill_bytes']:4d} B spilled, {row['programs_per_sm']} "
               "per SM", flush=True)  # fmt: skip

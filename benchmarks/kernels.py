@@ -201,12 +201,13 @@ def optional_baselines(args, ms, query, store, keys, values, pages, scale, dense
     return out
 
 
-def split_sweep(args, ms, store: PagedStore, query: torch.Tensor, qpos: torch.Tensor, want: torch.Tensor) -> dict:
+def split_sweep(
+    args, ms, store: PagedStore, query: torch.Tensor, qpos: torch.Tensor, scale: float, want: torch.Tensor
+) -> dict:
     """The dense read of ``store`` through the kernel itself with each of ``--split-sweep`` splits of every (row, KV
     head)'s slots (the stage-1 programs are ``B x H x splits``): ms (in a CUDA graph on CUDA) and the largest
     difference from the backend's read ``want``, beside the host's automatic choice (``auto_splits``)."""
     table, pool = store.table, store.pool
-    scale = query.shape[-1] ** -0.5
 
     def read(splits: int) -> torch.Tensor:
         common = dict(lengths=table.n_pages, num_splits=splits, check=False)
@@ -275,7 +276,7 @@ def one_case(args, ms, backend, built: tuple, fraction: float, peak: float, gen)
         line += f"  gather+SDPA {gather_ms:8.3f} ms (x{row['speedup_vs_gather_sdpa']:.2f})"
     print(line, flush=True)
     if args.split_sweep and plan.exact:
-        row["split_sweep"] = split_sweep(args, ms, store, query, qpos, read().o)
+        row["split_sweep"] = split_sweep(args, ms, store, query, qpos, scale, read().o)
     return row
 
 

@@ -13,11 +13,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_sm90(
-    kernel: Any, types: dict[str, str], const: dict[str, Any], default: str = "i32", aligned: bool = True,
-    **options: Any,
-):  # fmt: skip
-    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 by the CUDA front end.
+def compile_sm90(kernel: Any, types: dict[str, str], const: dict[str, Any], default: str = "i32", **options: Any):
+    """``kernel`` (a ``triton.jit`` function) compiled for sm_90 by the CUDA front end, its pointers specialised as
+    16-byte aligned, as a launch on a GPU specialises the tensors torch allocates (the loads of a tile then vectorise
+    as they would there).
 
     Parameters
     ----------
@@ -25,9 +24,6 @@ def compile_sm90(
         The kernel; its parameters named in ``const`` are constexprs of those values.
     types : dict
         Triton type of the other parameters (``"*bf16"``, ``"i32"``, ...); ``default`` for those it does not name.
-    aligned : bool
-        Pointers specialised as 16-byte aligned, as a launch on a GPU specialises the tensors torch allocates (the
-        loads of a tile then vectorise as they would there).
     options
         Compile options (``num_warps``, ``num_stages``).
 
@@ -38,19 +34,25 @@ def compile_sm90(
     """
     names = kernel.arg_names
     sig = {n: "constexpr" if n in const else types.get(n, default) for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if aligned and sig[n].startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
 
 
-def registers(compiled: Any) -> tuple[int, int]:
-    """``(registers per thread, stack bytes per thread)`` of a kernel compiled by :func:`compile_sm90`, read from its
-    cubin by the ``cuobjdump`` that triton ships (stack bytes above 0: registers spilled). Registers bound how many
-    programs an SM holds (65536 per SM: 4 warps at 64 registers a thread fit 8 programs, at 255 only 2)."""
+def cuobjdump(compiled: Any, flag: str) -> str:
+    """What the ``cuobjdump`` that triton ships prints for ``flag`` (``-sass``, ``--dump-resource-usage``) on the
+    cubin of a kernel compiled by :func:`compile_sm90`."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
-    usage = dict(item.split(":", 1) for line in out.stdout.splitlines() if "REG:" in line for item in line.split())
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def registers(compiled: Any) -> tuple[int, int]:
+    """``(registers per thread, stack bytes per thread)`` of a kernel compiled by :func:`compile_sm90`, read from its
+    cubin (stack bytes above 0: registers spilled). Registers bound how many programs an SM holds (65536 per SM: 4
+    warps at 64 registers a thread fit 8 programs, at 255 only 2)."""
+    out = cuobjdump(compiled, "--dump-resource-usage")
+    usage = dict(item.split(":", 1) for line in out.splitlines() if "REG:" in line for item in line.split())
     return int(usage["REG"]), int(usage["STACK"])
