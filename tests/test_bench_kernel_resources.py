@@ -11,6 +11,7 @@ import pytest
 from helpers import run_benchmark
 
 
+@pytest.mark.slow  # ~17 s of compiles (make test-slow); the sm_90 compile tests of the default suite hold the registers
 def test_kernel_resources_benchmark_counts_the_tile_loop(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "resources.json"
