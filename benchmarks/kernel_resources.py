@@ -37,17 +37,13 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from bench_cache import run_metadata, write_result  # noqa: E402
-from sm90 import compile_sm90, cuobjdump, registers  # noqa: E402
+from sm90 import CODES, compile_sm90, cuobjdump, registers  # noqa: E402
 
 from pikv_hf.kernels import decode, decode_quant, place_key, quest, route_select, routed_plan  # noqa: E402
 
 REGS_PER_SM, SHARED_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 SM_ISSUE_PER_NS, SM_BYTES_PER_NS = 4 * 1.98, 3350 / 132  # H100 SXM: warp instructions and HBM bytes per SM per ns
 D, G, GROUP = 128, 4, 64  # head dim, query rows per KV head, 4-bit value group
-SPLIT_TYPES = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8", "count_ptr": "*i32",
-               "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32",
-               **dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16"),
-               **dict.fromkeys(("table_ptr", "start_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")}  # fmt: skip
 
 
 def loop_instructions(sass: str) -> tuple[int, int, int]:
@@ -81,11 +77,12 @@ def resources(compiled, warps: int) -> dict:
 
 
 def split_row(
-    name: str, bits: int, kernel, types: dict, const: dict, block_n: int, warps: int, stages: int, maxnreg, per_slot
+    name: str, bits: int, kernel, types: dict | None, const: dict, block_n: int, warps: int, stages: int, maxnreg,
+    per_slot,
 ):  # fmt: skip
     """One configuration of a split decode kernel, with its loop's instructions against the bytes it reads."""
     options = {"num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
-    compiled = compile_sm90(kernel, types, const | {"BLOCK_N": block_n}, **options)
+    compiled = compile_sm90(kernel, const | {"BLOCK_N": block_n}, types, **options)
     row = {
         "kernel": name,
         "bits": bits,
@@ -117,18 +114,16 @@ def split_kernels(tiles: list[int]) -> list[dict]:
     configuration whose tile is in ``tiles``."""
     common = dict(G=G, Q=1, DK=D, DV=D, BLOCK_R=16, HAS_LEN=True, HAS_FULL=False, HAS_SLIDING=False,
                   DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=GROUP, SPAN=4096)  # fmt: skip
-    bf16 = SPLIT_TYPES | dict.fromkeys(("k_ptr", "v_ptr"), "*bf16")
-    codes = SPLIT_TYPES | dict.fromkeys(("k_ptr", "v_ptr", "kq_ptr", "vq_ptr"), "*u8")
     dense_slot = 2 * D * 2 + 5  # K and V, pos (4 B) and valid (1 B)
     quant_slot = D + 2 * 2 + 5 + (2 * 2 * D + 8) / 64  # codes, value scale / zero, pos / valid; per page of 64
     cases = [
-        ("dense, pages of 16", decode._split_kernel, bf16, common | dict(PAGE=16, BITS=0, TABLE=1), decode._CONFIGS,
+        ("dense, pages of 16", decode._split_kernel, None, common | dict(PAGE=16, BITS=0, TABLE=1), decode._CONFIGS,
          decode._CAPPED, dense_slot + 8 / 16),
-        ("dense, pages of 1", decode._split_kernel, bf16, common | dict(PAGE=1, BITS=0, TABLE=1), decode._CONFIGS,
+        ("dense, pages of 1", decode._split_kernel, None, common | dict(PAGE=1, BITS=0, TABLE=1), decode._CONFIGS,
          decode._CAPPED, dense_slot + 8),
-        ("4-bit, dequantised", decode._split_kernel, codes, common | dict(PAGE=64, BITS=4, TABLE=0),
+        ("4-bit, dequantised", decode._split_kernel, CODES, common | dict(PAGE=64, BITS=4, TABLE=0),
          decode._CONFIGS, decode._CAPPED, quant_slot),
-        ("4-bit, codes dotted", decode_quant._split_q4_kernel, codes, common | dict(PAGE=64),
+        ("4-bit, codes dotted", decode_quant._split_q4_kernel, None, common | dict(PAGE=64),
          decode_quant._Q4_CONFIGS, decode_quant._Q4_CAPPED, quant_slot),
     ]  # fmt: skip
     rows = []
@@ -147,26 +142,18 @@ def split_kernels(tiles: list[int]) -> list[dict]:
 def selection_kernels() -> list[dict]:
     """The routed step's selection, plan and placement kernels and Quest's page scores as the sm_90 compile tests
     build them, each with the warps it launches with."""
-    f32 = "*fp32"
     cases = [
         ("route_select (top-p)", route_select._route_select_kernel,
-         dict(q_ptr="*bf16", sum_ptr=f32, sq_ptr=f32, n_ptr="*i64", score_ptr=f32, logit_ptr=f32, out_ptr="*u8",
-              target="fp32", scale="fp32"),
          dict(G=G, D=D, BLOCK_G=G, BLOCK_S=64, BLOCK_D=32, HAS_MASS=True), 4),
         ("routed_plan", routed_plan._routed_plan_kernel,
-         dict(chosen_ptr="*u8", shard_ptr="*i32", slot_ptr="*i64", spos_ptr="*i64", reach_ptr="*i64",
-              qpos_ptr="*i64", start_ptr="*i64", pages_ptr="*i64", full_ptr="*u8", used_ptr="*i32"),
          dict(BLOCK=routed_plan._BLOCK, TILE=routed_plan._TILE, BLOCK_NS=128, ENTRIES=routed_plan._ENTRIES), 4),
-        ("place_key", place_key._place_key_kernel,
-         dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64"), dict(D=D, BLOCK_S=64, BLOCK_D=D), 4),
+        ("place_key", place_key._place_key_kernel, dict(D=D, BLOCK_S=64, BLOCK_D=D), 4),
         ("quest_scores (pages of 16)", quest._scores_kernel,
-         dict(q_ptr="*bf16", kmin_ptr=f32, kmax_ptr=f32, valid_ptr="*u8", slot_ptr="*i64", spos_ptr="*i64",
-              reach_ptr="*i64", qpos_ptr="*i64", start_ptr="*i64", out_ptr=f32),
          dict(G=G, D=D, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=D, BLOCK_P=16, BLOCK_S=128), quest._SCORES_WARPS),
     ]  # fmt: skip
     rows = []
-    for name, kernel, types, const, warps in cases:
-        row = {"kernel": name, **resources(compile_sm90(kernel, types, const, num_warps=warps, num_stages=2), warps)}
+    for name, kernel, const, warps in cases:
+        row = {"kernel": name, **resources(compile_sm90(kernel, const, num_warps=warps, num_stages=2), warps)}
         print(f"{name:28s} {row['registers']:3d} regs, {row['spill_bytes']:4d} B spilled, {row['programs_per_sm']} "
               "per SM", flush=True)  # fmt: skip
         rows.append(row)

@@ -12,8 +12,52 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+_F32, _F16, _BF16, _I64, _I32, _U8 = "*fp32", "*fp16", "*bf16", "*i64", "*i32", "*u8"
+_SCALES = dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), _F16)  # a 2/4/8-bit page's scales and zeros
+_PLAN = dict.fromkeys(("table_ptr", "start_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), _I64)
+_SPLIT = {"q_ptr": _BF16, "k_ptr": _BF16, "v_ptr": _BF16, **_SCALES, "pos_ptr": _I32, "valid_ptr": _U8, **_PLAN,
+          "full_ptr": _U8, "o_ptr": _F32, "lse_ptr": _F32, "count_ptr": _I32, "qk_scale": "fp32"}  # fmt: skip
+_SPECIAL = dict.fromkeys(("slot_ptr", "spos_ptr", "reach_ptr", "qpos_ptr", "start_ptr"), _I64)  # sink / window pages
 
-def compile_sm90(kernel: Any, types: dict[str, str], const: dict[str, Any], default: str = "i32", **options: Any):
+# Triton type of every pointer and float parameter of each kernel (``module.function``), at an 8B model's dtypes
+# (bfloat16 queries and KV); parameters not named are ``i32``
+ARG_TYPES: dict[str, dict[str, str]] = {
+    "decode._split_kernel_fn": _SPLIT,
+    "decode._merge_kernel": {**dict.fromkeys(("o_part_ptr", "lse_part_ptr", "sinks_ptr", "o_ptr", "lse_ptr"), _F32),
+                             "count_ptr": _I32, "attended_ptr": _I64},
+    "decode_quant._split_q4_kernel_fn": {**{k: t for k, t in _SPLIT.items() if k not in ("k_ptr", "v_ptr")},
+                                         "kq_ptr": _U8, "vq_ptr": _U8},
+    "dequant._dequant_kernel": {"kq_ptr": _U8, "vq_ptr": _U8, **_SCALES, "k_out_ptr": _BF16, "v_out_ptr": _BF16},
+    "append._append_one_kernel": {
+        **dict.fromkeys(("shard_ptr", "row_start_ptr", "pos_ptr", "open_page_ptr", "open_fill_ptr", "n_pages_ptr",
+                         "start_ptr", "cap_ptr", "count_ptr", "slot_ptr"), _I64),
+        **dict.fromkeys(("key_ptr", "value_ptr", "key_pool_ptr", "value_pool_ptr", "bias_pool_ptr"), _BF16),
+        **dict.fromkeys(("sum_ptr", "sq_ptr", "min_ptr", "max_ptr"), _F32),
+        "pos_pool_ptr": _I32, "valid_pool_ptr": "*i1", "page_shard_ptr": _I32,
+    },
+    "merge._merge_kernel": dict.fromkeys(("o1_ptr", "lse1_ptr", "o2_ptr", "lse2_ptr", "o_ptr", "lse_ptr"), _F32),
+    "quest._group_kernel": {"score_ptr": _F32, "n_pages_ptr": _I64, "out_ptr": _I64, "fraction": "fp32"},
+    "quest._scores_kernel": {"q_ptr": _BF16, "kmin_ptr": _F32, "kmax_ptr": _F32, "valid_ptr": _U8, **_SPECIAL,
+                             "out_ptr": _F32},
+    "route_select._route_select_kernel": {"q_ptr": _BF16, "sum_ptr": _F32, "sq_ptr": _F32, "n_ptr": _I64,
+                                          "score_ptr": _F32, "logit_ptr": _F32, "out_ptr": _U8, "target": "fp32",
+                                          "scale": "fp32"},
+    "routed_plan._routed_plan_kernel": {"chosen_ptr": _U8, "shard_ptr": _I32, **_SPECIAL, "pages_ptr": _I64,
+                                        "full_ptr": _U8, "used_ptr": _I32},
+    "place_key._place_key_kernel": {"k_ptr": _F32, "c_ptr": _F32, "n_ptr": _I64, "norm_ptr": _F32, "out_ptr": _I64},
+}  # fmt: skip
+CODES = {"k_ptr": _U8, "v_ptr": _U8}  # the split kernel's K / V over 2/4/8-bit codes
+
+
+def kernel_key(kernel: Any) -> str:
+    """``module.function`` of a ``triton.jit`` kernel (its key in :data:`ARG_TYPES`)."""
+    fn = kernel
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}"
+
+
+def compile_sm90(kernel: Any, const: dict[str, Any], types: dict[str, str] | None = None, **options: Any):
     """``kernel`` (a ``triton.jit`` function) compiled for sm_90 by the CUDA front end, its pointers specialised as
     16-byte aligned, as a launch on a GPU specialises the tensors torch allocates (the loads of a tile then vectorise
     as they would there).
@@ -21,19 +65,25 @@ def compile_sm90(kernel: Any, types: dict[str, str], const: dict[str, Any], defa
     Parameters
     ----------
     kernel : triton.runtime.JITFunction
-        The kernel; its parameters named in ``const`` are constexprs of those values.
-    types : dict
-        Triton type of the other parameters (``"*bf16"``, ``"i32"``, ...); ``default`` for those it does not name.
+        The kernel, with its parameter types in :data:`ARG_TYPES`; its parameters named in ``const`` are constexprs
+        of those values.
+    types : dict, optional
+        Triton types overriding the table's (``CODES``: the split kernel over codes).
     options
-        Compile options (``num_warps``, ``num_stages``).
+        Compile options (``num_warps``, ``num_stages``, ``maxnreg``).
 
     Returns
     -------
     triton.compiler.CompiledKernel
         The compiled kernel (``metadata.shared``: bytes of shared memory, ``metadata.num_warps``).
     """
+    key = kernel_key(kernel)
+    table = ARG_TYPES[key] | (types or {})
     names = kernel.arg_names
-    sig = {n: "constexpr" if n in const else types.get(n, default) for n in names}
+    untyped = [n for n in names if n.endswith("_ptr") and n not in const and n not in table]
+    if untyped:
+        raise KeyError(f"ARG_TYPES[{key!r}] has no type for the pointers {untyped}")
+    sig = {n: "constexpr" if n in const else table.get(n, "i32") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)

@@ -190,16 +190,11 @@ def test_operator_registration():
 _COMPILE_SM90 = """
 from sm90 import compile_sm90
 from pikv_hf.kernels import append
-types = dict.fromkeys(("shard_ptr", "row_start_ptr", "pos_ptr", "open_page_ptr", "open_fill_ptr", "n_pages_ptr",
-                       "start_ptr", "cap_ptr", "count_ptr", "slot_ptr"), "*i64")
-types |= dict.fromkeys(("key_ptr", "value_ptr", "key_pool_ptr", "value_pool_ptr", "bias_pool_ptr"), "*bf16")
-types |= dict.fromkeys(("sum_ptr", "sq_ptr", "min_ptr", "max_ptr"), "*fp32")
-types |= {"pos_pool_ptr": "*i32", "valid_pool_ptr": "*i1", "page_shard_ptr": "*i32"}
 for flags in ((True, False, False, True, True, True), (False, True, True, False, False, False),
               (True, True, False, True, True, False)):  # fmt: skip
     const = dict(zip(("HAS_SHARD", "HAS_ROW_START", "SATURATE", "WRITE_KV", "SUMMARY", "BOUNDS"), flags))
     const |= dict(BLOCK_DK=128, BLOCK_DV=128)
-    compile_sm90(append._append_one_kernel, types, const, num_warps=1)
+    compile_sm90(append._append_one_kernel, const, num_warps=1)
     print("ok")
 """
 

@@ -361,28 +361,23 @@ def test_pikv_hf_and_the_references_import_without_triton():
 
 _COMPILE_SM90 = """
 import triton.language as tl
-from sm90 import compile_sm90, registers
+from sm90 import CODES, compile_sm90, registers
 from pikv_hf.kernels import decode
-types = {"q_ptr": "*bf16", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8", "count_ptr": "*i32",
-         "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
-types |= dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16")
-types |= dict.fromkeys(("table_ptr", "start_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")
 cases = ((0, 1, 128, 2), (0, 64, 64, 1), (0, 16, 64, 0), (2, 16, 64, 1), (4, 64, 64, 2), (8, 16, 32, 0))
 for bits, page, block_n, table in cases:  # table 0: global ids, 1: local ids of a run, 2: no table
     const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, BLOCK_DK=128, BLOCK_DV=128, HAS_LEN=True,
                  HAS_FULL=True, HAS_SLIDING=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", BITS=bits,
                  GROUP=64, TABLE=table, SPAN=4096, BLOCK_N=block_n)
-    kv = dict.fromkeys(("k_ptr", "v_ptr"), "*u8" if bits else "*bf16")
-    kernel = compile_sm90(decode._split_kernel, types | kv, const, num_warps=4, num_stages=2)
+    kv = CODES if bits else None
+    kernel = compile_sm90(decode._split_kernel, const, kv, num_warps=4, num_stages=2)
     print(f"{bits}-{table}", kernel.metadata.shared)
     if (bits, table) == (0, 1):  # the autotuner's configurations capped in registers
         for block_n, warps, stages in decode._CAPPED:
-            capped = compile_sm90(decode._split_kernel, types | kv, const | dict(BLOCK_N=block_n), num_warps=warps,
+            capped = compile_sm90(decode._split_kernel, const | dict(BLOCK_N=block_n), kv, num_warps=warps,
                                   num_stages=stages, maxnreg=decode._REG_CAP)
             print(f"capped-{block_n}", registers(capped)[0])
 const = dict(R=4, G=4, Q=1, DV=128, BLOCK_S=16, BLOCK_DV=128, HAS_SINKS=True)
-types = {"count_ptr": "*i32", "attended_ptr": "*i64", "H": "i32", "num_splits": "i32"}
-print("merge", compile_sm90(decode._merge_kernel, types, const, default="*fp32").metadata.num_warps)
+print("merge", compile_sm90(decode._merge_kernel, const).metadata.num_warps)
 """
 
 

@@ -223,19 +223,12 @@ _COMPILE_SM90 = """
 from sm90 import compile_sm90, registers
 from pikv_hf.kernels import place_key, route_select, routed_plan
 
-f32 = "*fp32"
-cases = [(route_select._route_select_kernel,
-          dict(q_ptr="*bf16", sum_ptr=f32, sq_ptr=f32, n_ptr="*i64", score_ptr=f32, logit_ptr=f32, out_ptr="*u8",
-               target="fp32", scale="fp32"),
-          dict(G=4, D=128, BLOCK_G=4, BLOCK_S=64, BLOCK_D=32, HAS_MASS=mass)) for mass in (True, False)]
-cases.append((routed_plan._routed_plan_kernel,
-              dict(chosen_ptr="*u8", shard_ptr="*i32", slot_ptr="*i64", spos_ptr="*i64", reach_ptr="*i64",
-                   qpos_ptr="*i64", start_ptr="*i64", pages_ptr="*i64", full_ptr="*u8", used_ptr="*i32"),
-              dict(BLOCK=2048, TILE=128, BLOCK_NS=128, ENTRIES=16)))
-cases.append((place_key._place_key_kernel, dict(k_ptr=f32, c_ptr=f32, n_ptr="*i64", norm_ptr=f32, out_ptr="*i64"),
-              dict(D=128, BLOCK_S=64, BLOCK_D=128)))
-for kernel, types, const in cases:  # other parameters: i32
-    compiled = compile_sm90(kernel, types, const, num_warps=4, num_stages=2)
+cases = [(route_select._route_select_kernel, dict(G=4, D=128, BLOCK_G=4, BLOCK_S=64, BLOCK_D=32, HAS_MASS=mass))
+         for mass in (True, False)]
+cases.append((routed_plan._routed_plan_kernel, dict(BLOCK=2048, TILE=128, BLOCK_NS=128, ENTRIES=16)))
+cases.append((place_key._place_key_kernel, dict(D=128, BLOCK_S=64, BLOCK_D=128)))
+for kernel, const in cases:
+    compiled = compile_sm90(kernel, const, num_warps=4, num_stages=2)
     print(compiled.name, *registers(compiled))
 """
 

@@ -89,18 +89,12 @@ _COMPILE_SM90 = """
 from sm90 import compile_sm90, registers
 from pikv_hf.kernels import merge, quest
 
-f32 = "*fp32"
-cases = [(merge._merge_kernel, dict(o1_ptr=f32, lse1_ptr=f32, o2_ptr=f32, lse2_ptr=f32, o_ptr=f32, lse_ptr=f32),
-          dict(BLOCK_R=16, BLOCK_D=128), 4)]
-cases += [(quest._group_kernel, dict(score_ptr=f32, n_pages_ptr="*i64", out_ptr="*i64", fraction="fp32"),
-           dict(NS=ns, BLOCK=512), 4) for ns in (2, 4)]
-cases.append((quest._scores_kernel,
-              dict(q_ptr="*bf16", kmin_ptr=f32, kmax_ptr=f32, valid_ptr="*u8", slot_ptr="*i64", spos_ptr="*i64",
-                   reach_ptr="*i64", qpos_ptr="*i64", start_ptr="*i64", out_ptr=f32),
-              dict(G=4, D=128, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=128, BLOCK_P=16, BLOCK_S=128),
-              quest._SCORES_WARPS))
-for kernel, types, const, warps in cases:  # other parameters: i32
-    compiled = compile_sm90(kernel, types, const, num_warps=warps, num_stages=2)
+cases = [(merge._merge_kernel, dict(BLOCK_R=16, BLOCK_D=128), 4)]
+cases += [(quest._group_kernel, dict(NS=ns, BLOCK=512), 4) for ns in (2, 4)]
+cases.append((quest._scores_kernel, dict(G=4, D=128, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=128, BLOCK_P=16,
+                                         BLOCK_S=128), quest._SCORES_WARPS))
+for kernel, const, warps in cases:
+    compiled = compile_sm90(kernel, const, num_warps=warps, num_stages=2)
     print(compiled.name, *registers(compiled))
 """
 

@@ -164,23 +164,18 @@ import triton.language as tl
 from sm90 import compile_sm90, registers
 from pikv_hf.kernels import decode, decode_quant, dequant
 
-types = {"q_ptr": "*bf16", "kq_ptr": "*u8", "vq_ptr": "*u8", "pos_ptr": "*i32", "valid_ptr": "*u8", "full_ptr": "*u8",
-         "count_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
-types |= dict.fromkeys(("ks_ptr", "kz_ptr", "vs_ptr", "vz_ptr"), "*fp16")
-types |= dict.fromkeys(("table_ptr", "len_ptr", "row_start_ptr", "qpos_ptr"), "*i64")
 for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
     const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, HAS_LEN=True, HAS_FULL=True, HAS_SLIDING=True,
                  DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=group, SPAN=4096, BLOCK_N=block_n)
-    k = compile_sm90(decode_quant._split_q4_kernel, types, const, num_warps=4, num_stages=3)
+    k = compile_sm90(decode_quant._split_q4_kernel, const, num_warps=4, num_stages=3)
     print(f"q4-{page}", k.metadata.shared)
     if page == 64:  # the autotuner's configurations capped in registers
         for block_n, warps, stages in decode_quant._Q4_CAPPED:
-            k = compile_sm90(decode_quant._split_q4_kernel, types, const | dict(BLOCK_N=block_n), num_warps=warps,
+            k = compile_sm90(decode_quant._split_q4_kernel, const | dict(BLOCK_N=block_n), num_warps=warps,
                              num_stages=stages, maxnreg=decode._REG_CAP)
             print(f"capped-{warps}", registers(k)[0])
-types = dict.fromkeys(("kq_ptr", "vq_ptr"), "*u8") | dict.fromkeys(("k_out_ptr", "v_out_ptr"), "*bf16")
 const = dict(P=64, DK=128, DV=128, BITS=4, GROUP=64, BLOCK_P=16, BLOCK_BK=64, BLOCK_BV=64)
-k = compile_sm90(dequant._dequant_kernel, types, const, "*fp16", num_warps=4, num_stages=3)
+k = compile_sm90(dequant._dequant_kernel, const, num_warps=4, num_stages=3)
 print("dequant", k.metadata.shared)
 """
 
