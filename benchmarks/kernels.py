@@ -23,8 +23,10 @@ on the device.
 * on CUDA, ``graph_ms``: the same read captured in a CUDA graph (device time only; ``ms`` minus it is the host's
   per-call work, which dominates short eager reads);
 * ``routed_selection``: the routed read's selection (``route_select``) and plan (``routed_plan``) of one layer at the
-  largest ``--tokens`` in the README's setting (256 shards, pages of one), to set against the read they plan
-  (timed first, so that a run cut short still has it);
+  largest ``--tokens`` in the README's setting (256 shards, pages of one), to set against the read they plan, and
+  ``quest_selection``: Quest's page scores over bfloat16 and float32 key bounds (bytes read against the peak) and
+  its page selection (pages of 16, 1/8 read), at the largest ``--tokens`` x the first ``--batch`` (both timed
+  first, so that a run cut short still has them);
 * on CUDA, ``graph_step``: the attention of a ``--graph-layers`` layer decode step at 25% selection captured in a
   CUDA graph, against its bytes bound (attention only: selection precomputed, no projections or MLPs).
 
@@ -37,7 +39,9 @@ Random keys: this measures speed only.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+import math
 import os
 import re
 import sys
@@ -49,7 +53,7 @@ from bench_cache import median_ms, read_bandwidth_gbs, run_metadata, write_resul
 
 from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.codecs.quant import QuantCodec
-from pikv_hf.kernels import gather_pages, gather_pages_reference
+from pikv_hf.kernels import gather_pages, gather_pages_reference, quest
 from pikv_hf.kernels.decode import auto_splits, decode_attention
 from pikv_hf.kernels.decode_quant import QUANT_FIELDS, QuantPages, decode_attention_quant
 from pikv_hf.kernels.route_select import route_select
@@ -350,6 +354,54 @@ def routed_selection(args, ms, tokens: int, batch: int) -> dict:
     return out
 
 
+def quest_selection(args, ms, peak: float, tokens: int, batch: int, page: int = 16, fraction: float = 0.125) -> dict:
+    """Quest's selection for one layer (pages of ``page``, ``fraction`` of them read, 4 sinks and 64 recent tokens):
+    ``quest_scores`` over the pages' key min / max kept in the keys' bfloat16 (a lossless store) and in float32 (a
+    lossy codec's), each with the bytes it reads (bounds, valid flags, queries) against the peak, then
+    ``quest_select`` (random bounds: speed only; eager calls, and on CUDA also replayed from a CUDA graph)."""
+    dev, h, d = args.device, args.kv_heads, args.head_dim
+    gen = args.dev_gen
+    w = tokens // page
+    qg = torch.randn(batch, h, args.heads // h, d, generator=gen, device=dev).to(args.dtype)
+    low = torch.randn(batch, h, w, d, generator=gen, device=dev)
+    high = low + torch.rand(batch, h, w, d, generator=gen, device=dev)
+    valid = torch.ones(batch, h, w * page, dtype=torch.bool, device=dev)
+    n_sink, window = 4, 64
+    local = torch.cat([torch.arange(n_sink), torch.arange(tokens - window, tokens)]).to(dev)
+    start = (torch.arange(batch * h, device=dev) * w).view(batch, h)  # runs back to back
+    slots = (start.unsqueeze(-1) * page + local).contiguous()
+    spos = local.expand(batch, h, -1).contiguous()
+    reach = torch.tensor([2**61] * n_sink + [window] * window, device=dev)
+    qpos = torch.tensor([tokens], device=dev)
+    n_pages = torch.full((batch, h), w, dtype=torch.int64, device=dev)
+    width = math.ceil(w * fraction)
+    out = {"tokens": tokens, "batch": batch, "page_size": page, "fraction": fraction, "scores": {}}
+    for dtype in (torch.bfloat16, torch.float32):
+        bounds = (low.to(dtype), high.to(dtype))
+        scores = functools.partial(quest.scores, qg, *bounds, valid, slots, spos, reach, qpos, start, page)
+        n_bytes = 2 * bounds[0].nbytes + valid.nbytes + qg.nbytes + 4 * batch * h * w  # bounds, flags, query, scores
+        row = {"ms": ms(scores), "bytes_read": n_bytes}
+        row["pct_peak"] = 100 * n_bytes / (row["ms"] * 1e6) / peak
+        if dev.type == "cuda":
+            row["graph_ms"] = replay_ms(ms, scores)
+        out["scores"][str(dtype).removeprefix("torch.")] = row
+    score = scores()
+
+    def select() -> torch.Tensor:
+        return quest.select(score, n_pages, fraction, width)
+
+    out["select_ms"] = ms(select)
+    if dev.type == "cuda":
+        out["select_graph_ms"] = replay_ms(ms, select)
+    sc = out["scores"]
+    print(
+        f"quest selection T={tokens} B={batch} P={page}: quest_scores {sc['bfloat16']['ms']:.3f} ms over bfloat16 "
+        f"bounds ({sc['bfloat16']['pct_peak']:.0f}% of peak), {sc['float32']['ms']:.3f} ms over float32 "
+        f"({sc['float32']['pct_peak']:.0f}%), quest_select {out['select_ms']:.3f} ms"
+    )
+    return out
+
+
 def check_targets(cases: list[dict], graph: dict | None) -> dict:
     """The issue's GPU targets, evaluated on these results."""
     dense = {(c["tokens"], c["batch"], c["page_size"], c["bits"]): c for c in cases if c["selection_fraction"] == 1}
@@ -448,6 +500,7 @@ def main() -> None:
                        "bytes_read": "K/V fields of the pages read + pos/valid (5 B per slot) + 8 B per table entry"},
             "cases": cases,
             "routed_selection": selection,
+            "quest_selection": quest_sel,
             "graph_step": graph,
             "targets": check_targets(cases, graph) if cuda else "GPU targets not evaluated: no CUDA (torch path timed)",
             "complete": complete,
@@ -455,6 +508,7 @@ def main() -> None:
         write_result(out, result)
 
     selection = routed_selection(args, ms, args.tokens[-1], args.batch[0])  # first: short, and a cut run keeps it
+    quest_sel = quest_selection(args, ms, peak, args.tokens[-1], args.batch[0])
     write(None, False)
     for tokens, batch, (page_size, bits) in itertools.product(args.tokens, args.batch, layouts):
         built = filled_store(args, tokens, batch, page_size, bits)

@@ -37,7 +37,7 @@ ARG_TYPES: dict[str, dict[str, str]] = {
     },
     "merge._merge_kernel": dict.fromkeys(("o1_ptr", "lse1_ptr", "o2_ptr", "lse2_ptr", "o_ptr", "lse_ptr"), _F32),
     "quest._group_kernel": {"score_ptr": _F32, "n_pages_ptr": _I64, "out_ptr": _I64, "fraction": "fp32"},
-    "quest._scores_kernel": {"q_ptr": _BF16, "kmin_ptr": _F32, "kmax_ptr": _F32, "valid_ptr": _U8, **_SPECIAL,
+    "quest._scores_kernel": {"q_ptr": _BF16, "kmin_ptr": _BF16, "kmax_ptr": _BF16, "valid_ptr": _U8, **_SPECIAL,
                              "out_ptr": _F32},
     "route_select._route_select_kernel": {"q_ptr": _BF16, "sum_ptr": _F32, "sq_ptr": _F32, "n_ptr": _I64,
                                           "score_ptr": _F32, "logit_ptr": _F32, "out_ptr": _U8, "target": "fp32",

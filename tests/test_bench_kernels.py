@@ -1,17 +1,25 @@
 """``benchmarks/kernels.py`` at tiny sizes on the CPU (the torch references timed), so that the script the GPU
 sessions run cannot rot: every case's read equals gather + SDPA over the same pages, sparse cases read their share of
 the pages, the kernel run with 2 splits (``--split-sweep``, interpreted) equals the backend's dense
-read, and the routed selection reads about the quarter of the tokens its cap allows."""
+read, the routed selection reads about the quarter of the tokens its cap allows, Quest's page scores read half the
+bytes over bfloat16 bounds, and ``make results`` renders it all."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
+from pathlib import Path
 
 from helpers import run_benchmark
 
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+rp = importlib.import_module("results_page")
+fw = importlib.import_module("results_sections.framework")
+
 
 def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_path):
-    out = tmp_path / "kernels_tiny.json"
+    out = tmp_path / "benchmarks" / "results" / "kernels_tiny.json"
     run_benchmark("kernels.py", "--tokens", "512", "--batch", "1", "--page-sizes", "16", "1", "--repeats", "1",
                   "--split-sweep", "2", "--out", str(out))  # fmt: skip
     d = json.loads(out.read_text())
@@ -35,3 +43,16 @@ def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_pat
     # at most a quarter of the shards (random keys: about a quarter of the tokens) plus 4 sinks and 64 recent tokens
     assert 0.2 < sel["read_fraction"] <= 0.25 * 1.25 + 68 / 512
     assert sel["select_ms"] > 0 and sel["plan_ms"] > 0
+    quest = d["quest_selection"]
+    assert (quest["tokens"], quest["batch"], quest["page_size"], quest["fraction"]) == (512, 1, 16, 0.125)
+    kv_heads, head_dim = d["config"]["kv_heads"], d["config"]["head_dim"]
+    for dtype, size in (("bfloat16", 2), ("float32", 4)):  # key min and max of 32 pages per KV head
+        row = quest["scores"][dtype]
+        assert row["bytes_read"] > 2 * kv_heads * 32 * head_dim * size and row["ms"] > 0 and row["pct_peak"] > 0
+    half = quest["scores"]["float32"]["bytes_read"] - quest["scores"]["bfloat16"]["bytes_read"]
+    assert half == 2 * kv_heads * 32 * head_dim * 2 and quest["select_ms"] > 0
+    built = rp.build(tmp_path)  # the page's Kernels section from this JSON alone
+    (section,) = [s for s in built.sections if s.title == "Kernels"]
+    assert "Routed selection of one layer" in section.markdown and "Quest selection of one layer" in section.markdown
+    for fig in built.figures:  # every figure recomputes from the source it records
+        assert fw.FORMATS[fig.fmt](fw.Recorder(tmp_path).value(*fig.sources, combine=fig.combine)) == fig.text

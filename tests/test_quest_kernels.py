@@ -67,9 +67,13 @@ def test_scores_reference_is_the_quest_bound_with_special_and_empty_pages():
     assert (score == math.inf).sum() > 0 and (score == -math.inf).sum() > 0
 
 
+@pytest.mark.parametrize("bounds", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [dict(), dict(g=1, d=64, w=9, p=1), dict(b=1, h=1, g=3, d=24, w=130, p=16)])
-def test_scores_kernel_equals_reference(shape):
+def test_scores_kernel_equals_reference(shape, bounds):
+    """Bounds in float32 (over a lossy codec's decoded keys) or in the keys' bfloat16 (a lossless store's), read as
+    they are stored."""
     args, _, _ = _inputs(**shape)
+    args = (args[0], args[1].to(bounds), args[2].to(bounds), *args[3:])
     ref = quest._scores_reference(*args)
     got = quest._scores_launch(*on_kernel_device(args)).cpu()  # the kernel: on the GPU, or interpreted
     assert got.shape == ref.shape and got.dtype == torch.float32

@@ -1,5 +1,6 @@
 """PagedStore (pool + page table + shard statistics) against sequential pure-Python models of pages and shards."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -27,8 +28,8 @@ def _pages(slots: list[int], page_size: int) -> set[frozenset[int]]:
     return {frozenset(v) for v in groups.values()}
 
 
-def _store(b, h, dk, dv, s, p):
-    return PagedStore(b, h, dk, dv, s, p, torch.float32, torch.device("cpu"), track_stats=True)
+def _store(b, h, dk, dv, s, p, dtype=torch.float32):
+    return PagedStore(b, h, dk, dv, s, p, dtype, torch.device("cpu"), track_stats=True)
 
 
 def test_append_places_tokens_like_the_sequential_reference():
@@ -150,10 +151,14 @@ def _summary_reference(k, shard, mask, s):
 B, H, P, S, D, N = 2, 2, 4, 3, 5, 30  # summary / bound tests: batch, KV heads, page size, shards, head dim, tokens
 
 
-def _store_and_random_keys(seed: int) -> tuple[PagedStore, torch.Tensor, torch.Tensor]:
-    """An empty ``[B, H]`` store, and ``N`` random shard ids ``[B, H, N]`` and keys ``[B, H, N, D]`` to append."""
+def _store_and_random_keys(
+    seed: int, dtype: torch.dtype = torch.float32
+) -> tuple[PagedStore, torch.Tensor, torch.Tensor]:
+    """An empty ``[B, H]`` store of ``dtype``, and ``N`` random shard ids ``[B, H, N]`` and keys ``[B, H, N, D]`` to
+    append."""
     g = torch.Generator().manual_seed(seed)
-    return _store(B, H, D, D, S, P), torch.randint(0, S, (B, H, N), generator=g), torch.randn(B, H, N, D, generator=g)
+    keys = torch.randn(B, H, N, D, generator=g).to(dtype)
+    return _store(B, H, D, D, S, P, dtype), torch.randint(0, S, (B, H, N), generator=g), keys
 
 
 def test_shard_summaries_follow_appends_padding_and_retain():
@@ -249,8 +254,11 @@ def test_retain_pools_the_shards_partly_filled_pages():
     assert torch.equal(summary.key_min, lo) and torch.equal(summary.key_max, hi)
 
 
-def test_page_bounds_follow_appends_padding_retain_and_batch_indexing():
-    store, shard, k = _store_and_random_keys(3)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_bounds_follow_appends_padding_retain_and_batch_indexing(dtype):
+    """Bounds in the keys' own dtype (a lossless store): the min / max of bfloat16 keys are bfloat16 values, so the
+    bounds stay exact at half of float32's bytes."""
+    store, shard, k = _store_and_random_keys(3, dtype)
     present = torch.ones(B, H, 12, dtype=torch.bool)
     present[1, :, :3] = False  # left padding takes no slot
     store.append(k[:, :, :12], k[:, :, :12], shard[:, :, :12], torch.arange(12), present)
@@ -285,7 +293,8 @@ def test_page_bounds_follow_appends_padding_retain_and_batch_indexing():
     check(exact=True)  # re-packed pages get exact bounds
     store.index_batch(torch.tensor([1, 1, 0]))
     check(exact=True)
-    assert store.meta_nbytes() >= 2 * store.pool["key_min"].numel() * 4
+    assert store.pool["key_min"].dtype == store.pool["key_max"].dtype == dtype
+    assert store.meta_nbytes() >= 2 * store.pool["key_min"].numel() * dtype.itemsize
 
 
 def test_index_batch_reorders_rows_with_their_pages():

@@ -271,6 +271,21 @@ def kernel_table(rec: Recorder, p: str) -> str:
             f"routed_plan {rec.fig('ms', at(p, 'routed_selection.plan_ms'))} ms{graph('plan_graph_ms')}, planning "
             f"a read of {rec.fig('r3', at(p, 'routed_selection.read_fraction'))} of the tokens."
         )
+    qs = d.get("quest_selection")
+    if qs:
+        k = "quest_selection.scores."
+
+        def scored(dtype: str) -> str:
+            graph = f", {rec.fig('ms', at(p, k + dtype + '.graph_ms'))} ms in a CUDA graph" if "graph_ms" in qs[
+                "scores"][dtype] else ""  # fmt: skip
+            return (f"{rec.fig('ms', at(p, k + dtype + '.ms'))} ms over {dtype} bounds "
+                    f"({rec.fig('pct', at(p, k + dtype + '.pct_peak'))}% of peak{graph})")  # fmt: skip
+
+        text += (
+            f"\n\nQuest selection of one layer ({qs['tokens']} tokens x batch {qs['batch']}, pages of "
+            f"{qs['page_size']}, {qs['fraction']} of them read): quest_scores {scored('bfloat16')} and "
+            f"{scored('float32')}; quest_select {rec.fig('ms', at(p, 'quest_selection.select_ms'))} ms."
+        )
     targets = d["targets"]
     if isinstance(targets, dict):
         met = ", ".join(f"{name} {'met' if ok else 'not met'}" for name, ok in targets["met"].items())

@@ -12,6 +12,7 @@ class IdentityCodec(Codec):
     """Keys ``[P, Dk]`` and values ``[P, Dv]`` per page in the model dtype; decoding returns them unchanged."""
 
     name = "identity"
+    lossless = True
 
     def fields(self, k_dim: int, v_dim: int, dtype: torch.dtype) -> dict[str, FieldSpec]:
         return {"keys": FieldSpec((k_dim,), dtype), "values": FieldSpec((v_dim,), dtype)}

@@ -31,7 +31,7 @@ from pikv_hf.store.special import special_page_mask
 _MAX_SORT = 8192  # pages of a frame sorted in registers by one program (more: torch.sort inside the operator)
 _BLOCK_W = 64  # pages per program of the score kernel
 # its warps: 4 held 254 registers a thread at sm_90 (the [64, 128] float32 key min / max tiles; 2 programs per SM),
-# 8 hold 128 (16 warps per SM; tests/sm90.registers)
+# 8 hold 128 over float32 bounds, 101 over bfloat16 ones (16 warps per SM; tests/sm90.registers)
 _SCORES_WARPS = 8
 
 
@@ -52,8 +52,8 @@ def _scores_kernel(
     count = tl.sum(valid.to(tl.int32), axis=1)
     tile = bh * W * D + w[:, None] * D + d[None, :]
     tile_ok = (count > 0)[:, None] & (d[None, :] < D)  # an empty page's +-inf bounds are not read
-    kmin = tl.load(kmin_ptr + tile, mask=tile_ok, other=0.0)
-    kmax = tl.load(kmax_ptr + tile, mask=tile_ok, other=0.0)
+    kmin = tl.load(kmin_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    kmax = tl.load(kmax_ptr + tile, mask=tile_ok, other=0.0).to(tl.float32)
     bound = tl.full((BLOCK_W,), float("-inf"), tl.float32)
     for g in tl.static_range(G):
         q = tl.load(q_ptr + (bh * G + g) * D + d, mask=d < D, other=0.0).to(tl.float32)
@@ -103,7 +103,7 @@ def _scores_launch(qg, key_min, key_max, valid, slots, spos, reach, qpos, start,
     if out.numel():
         check_launchable(_scores_kernel, out.device)
         _scores_kernel[(b * h, -(-w // _BLOCK_W))](
-            qg.contiguous(), key_min.float().contiguous(), key_max.float().contiguous(),
+            qg.contiguous(), key_min.contiguous(), key_max.contiguous(),
             valid.contiguous().view(torch.uint8), slots.contiguous(), spos.contiguous(), reach, qpos,
             start.contiguous(), out, w, n_special, G=g, D=d, P=page_size, BLOCK_W=_BLOCK_W, BLOCK_D=next_power_of_2(d),
             BLOCK_P=next_power_of_2(page_size), BLOCK_S=max(16, next_power_of_2(n_special)), num_warps=_SCORES_WARPS,
@@ -118,11 +118,11 @@ _SCORES_SCHEMA = (
 quest_scores = torch.library.custom_op(
     "pikv::quest_scores", _scores_launch, mutates_args=(), device_types="cuda", schema=_SCORES_SCHEMA
 )
-quest_scores.__doc__ = """``torch.ops.pikv.quest_scores(qg [B, H, G, D], key_min, key_max [B, H, W, D], valid
-[B, H, W * P] bool, slots, spos [B, H, S] int64, reach [S] int64, qpos [1] int64, start [B, H] int64, page_size)``
--> ``[B, H, W]`` float32: the Quest bound of every frame page of a store, ``-inf`` for an empty page, ``+inf`` for a
-page holding a special slot (flat pool slot ``slots``, at position ``spos``) that a query at ``qpos`` still reads
-(``spos > qpos - reach``); ``start`` is each run's first pool page."""
+quest_scores.__doc__ = """``torch.ops.pikv.quest_scores(qg [B, H, G, D], key_min, key_max [B, H, W, D] (float32
+or the keys' dtype), valid [B, H, W * P] bool, slots, spos [B, H, S] int64, reach [S] int64, qpos [1] int64, start
+[B, H] int64, page_size)`` -> ``[B, H, W]`` float32: the Quest bound of every frame page of a store, ``-inf`` for an
+empty page, ``+inf`` for a page holding a special slot (flat pool slot ``slots``, at position ``spos``) that a query
+at ``qpos`` still reads (``spos > qpos - reach``); ``start`` is each run's first pool page."""
 
 
 @quest_scores.register_kernel("cpu")

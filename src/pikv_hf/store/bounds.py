@@ -1,5 +1,9 @@
-"""Per-page key bounds of a :class:`~pikv_hf.store.pool.PagePool`: Quest's ``key_min`` / ``key_max`` (``[N, Dk]``
-float32, one row per page), added once, folded as tokens arrive, rebuilt after a re-pack."""
+"""Per-page key bounds of a :class:`~pikv_hf.store.pool.PagePool`: Quest's ``key_min`` / ``key_max`` (``[N, Dk]``,
+one row per page), added once, folded as tokens arrive, rebuilt after a re-pack.
+
+Their dtype is the keys' own where the pool holds the keys as the model produced them (the min and max of bfloat16
+keys are bfloat16 values: exact, half the bytes of float32 and half of what Quest's score kernel reads), float32 over
+decoded keys of a lossy codec (a rounded bound could fall inside the keys it bounds)."""
 
 from __future__ import annotations
 
@@ -11,10 +15,10 @@ from pikv_hf.store.pool import FieldSpec, PagePool
 BOUND_FIELDS = {"key_min": float("inf"), "key_max": float("-inf")}
 
 
-def add_page_bounds(pool: PagePool, keys: torch.Tensor) -> None:
-    """Add the two bound fields to ``pool`` and compute them from its decoded ``keys`` (``[N, P, Dk]``)."""
+def add_page_bounds(pool: PagePool, keys: torch.Tensor, dtype: torch.dtype) -> None:
+    """Add the two bound fields (``dtype``) to ``pool`` and compute them from its decoded ``keys`` (``[N, P, Dk]``)."""
     for name, fill in BOUND_FIELDS.items():
-        pool.add_field(name, FieldSpec((keys.shape[-1],), torch.float32, fill, per_page=True))
+        pool.add_field(name, FieldSpec((keys.shape[-1],), dtype, fill, per_page=True))
     rebuild_page_bounds(pool, keys)
 
 
@@ -33,7 +37,7 @@ def fold_page_bounds(pool: PagePool, page: torch.Tensor, keys: torch.Tensor) -> 
 
 
 def _fold(key_min: torch.Tensor, key_max: torch.Tensor, page: torch.Tensor, keys: torch.Tensor) -> None:
-    k = keys.float()
+    k = keys.to(key_min.dtype)
     idx = page.unsqueeze(-1).expand_as(k)
     key_min.scatter_reduce_(0, idx, k, "amin")
     key_max.scatter_reduce_(0, idx, k, "amax")

@@ -506,7 +506,7 @@ class PagedStore:
     def enable_page_bounds(self) -> None:
         """Keep per-page key min / max from now on (computed once here from the stored keys)."""
         if not self.page_bounds_kept:
-            add_page_bounds(self.pool, self._decoded()[0])
+            add_page_bounds(self.pool, self._decoded()[0], self.dtype if self.codec.lossless else torch.float32)
 
     def _decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded keys ``[N, P, Dk]`` and values ``[N, P, Dv]`` of every pool page."""
