@@ -276,3 +276,25 @@ def test_h2o_offload_routed_prefill_peak_is_within_10_percent_of_dynamic_cache()
     assert (cache.layers[1].resident_tokens() == 1024).all()  # the press kept half resident, offloaded the rest
     assert peaks["dynamic"] > 40 * 2**20  # the MLP's [2048, 1536] activations and the KV: the check below has weight
     assert peaks["h2o"] <= 1.10 * peaks["dynamic"], f"{peaks['h2o'] / peaks['dynamic']:.3f}x DynamicCache's peak"
+
+
+def test_routed_reads_over_an_offload_tier_keep_no_shard_bounds_and_select_as_the_combined_summary(model):
+    """H2O with its evicted half offloaded and read back by routed selection (top-k centroids): the selection is one
+    operator over the key sums and squares summed over the hot store and the offload tier, so neither keeps shard
+    key min / max (4 float32 vectors per shard and tier: 0.25x the fp16 KV at SmolLM2's shape and 16 tokens per
+    shard), and it picks the shards the selector picks from the tiers' combined summary."""
+    kwargs, presses = WAYS["h2o_offload_routed"]
+    cache = PiKVCache(model, **kwargs)
+    run(model, cache, prompt(96, batch=2, seed=3), presses, steps=2)
+    sparse = [layer for layer in cache.layers if "offload" in layer.stores.tiers]
+    assert sparse and cache.routing_stats()["overall"]["fraction_tokens_attended"] < 0.9
+    gen = torch.Generator().manual_seed(0)
+    for layer in sparse:
+        group = layer.stores.group()
+        assert len(group.stores) == 2 and not any(s.stats.bounds_kept for s in group.stores)
+        policy = layer.step.policy
+        qg = torch.randn(group.batch, group.heads, 2, model.config.head_dim, generator=gen)
+        chosen = policy.chosen(group, qg, 0.25)
+        selected, keep = policy.choose(group, qg, 0.25)  # the selector over StoreGroup.summary (keeps bounds)
+        want = torch.zeros_like(chosen).scatter_(2, selected, keep)
+        assert chosen.sum() > 0 and torch.equal(chosen, want)

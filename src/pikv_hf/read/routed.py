@@ -52,28 +52,27 @@ class RoutedRead(SparseRead):
             shape = (group.batch, group.heads, group.num_shards)
             self.misses = torch.zeros(shape, dtype=torch.int64, device=group.device)
         if all(s.summaries_kept for s in group.stores):  # sums an eviction left stale: recounted here, not in a step
-            if self._plain(group):
-                group.stores[0].shard_stats()
+            if self._plain():
+                group.key_stats()
             else:
                 group.summary(self.misses)
 
-    def _plain(self, store: PagedStore | StoreGroup) -> bool:
-        """Whether the selection is one operator over one store's kept key sums (:meth:`chosen`): the top-k centroid
+    def _plain(self) -> bool:
+        """Whether the selection is one operator over the kept key sums (:meth:`chosen`): the top-k centroid
         selector, which neither counts misses nor learns nor reads the shard bounds."""
-        plain = type(self.selector) is TopKSelector and self.selector.score == "centroid" and not self.learns()
-        return plain and (not isinstance(store, StoreGroup) or len(store.stores) == 1)
+        return type(self.selector) is TopKSelector and self.selector.score == "centroid" and not self.learns()
 
     def chosen(self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float) -> torch.Tensor:
         """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) read, as :meth:`choose` selects
         them. The top-k centroid selector, which neither counts misses nor learns, selects in one operator
-        (``pikv_hf.kernels.route_select``) from the kept key sums of a layer held by one store."""
-        if not self._plain(store):  # tiers: their summaries combine (StoreGroup.summary)
+        (``pikv_hf.kernels.route_select``) from the key sums of the layer's stores (summed over its tiers: no
+        store keeps shard key bounds for it)."""
+        if not self._plain():
             selected, keep = self.choose(store, qg, scale)
             b, h, s = store.batch, store.heads, store.num_shards
             return torch.zeros(b, h, s, dtype=torch.bool, device=selected.device).scatter_(2, selected, keep)
-        stats = (store.stores[0] if isinstance(store, StoreGroup) else store).shard_stats()
-        sums, squares = stats.key_stats()[:2]
-        return route_select(qg, sums, squares, stats.count, scale, self.config.top_k_shards, self.config.mass_target)
+        sums, squares, counts = (store if isinstance(store, StoreGroup) else StoreGroup([store])).key_stats()
+        return route_select(qg, sums, squares, counts, scale, self.config.top_k_shards, self.config.mass_target)
 
     def _summary(self, store: PagedStore | StoreGroup) -> ShardSummary:
         b, h, s = store.batch, store.heads, store.num_shards

@@ -46,6 +46,17 @@ class StoreGroup:
             key_var=(square / n - centroids.square()).clamp(min=0),
         )
 
+    def key_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(sums, squares, counts)`` of every shard's keys over all stores, on the group's device (``[B, H, S, D]``
+        float32 twice, ``[B, H, S]``; one store: its own tensors): what the top-k centroid selection reads, without
+        the key bounds :meth:`summary` computes and keeps in every store."""
+        stats = [s.shard_stats() for s in self.stores]
+        parts = [(*st.key_stats()[:2], st.count) for st in stats]
+        if len(parts) == 1:
+            return parts[0]
+        sums, squares, counts = (sum(p[i].to(self.device) for p in parts) for i in range(3))
+        return sums, squares, counts
+
     def tokens_per_shard(self) -> torch.Tensor:
         """``[B, H, S]`` valid tokens per shard over every store."""
         return sum(s.tokens_per_shard().to(self.device) for s in self.stores)
