@@ -5,7 +5,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.pikv-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: demo test test-slow lint results notebooks bench bench-e2e bench-store bench-memory bench-scheduling bench-distributed bench-kernels bench-resources bench-gpu gpu-check bench-ops clean-venv
+.PHONY: demo test test-slow lint results notebooks bench bench-e2e bench-store bench-memory bench-held bench-scheduling bench-distributed bench-kernels bench-resources bench-gpu gpu-check bench-ops clean-venv
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -77,6 +77,11 @@ bench-store: $(STAMP)
 # Prefill peak memory of SmolLM2 at 8k x batch 4, every way of keeping the KV against a DynamicCache (~15 min)
 bench-memory: $(STAMP)
 	$(PY) benchmarks/bench_memory.py --context 8192 --batch 4 --out benchmarks/results/prefill_memory_cpu.json
+
+# Tensor bytes every way's cache holds beyond its K/V (positions, masks, bounds, shard sums, centroids, workspace)
+# against the fp16 KV, at SmolLM2's attention shape (4k tokens) and Llama-3.1-8B's (32k tokens, one KV head): ~30 min
+bench-held: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/held_bytes.py --out benchmarks/results/held_bytes_cpu.json
 
 # Scheduling presses: KV bytes after every press x ratio against (1 - r) x DynamicCache at 2k, and H2O held to a
 # 1024-token budget over 8192 decode steps (bytes and step time every 500 steps, ~10 min)

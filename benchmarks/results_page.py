@@ -52,6 +52,7 @@ SECTIONS = [
     Section("Decode budget", (scheduling.DECODE_BUDGET,), scheduling.decode_budget),
     Section("Page store ragged budgets", (memory.STORE_RAGGED,), memory.store_ragged),
     Section("Prefill memory", (memory.PREFILL_MEMORY,), memory.prefill_memory),
+    Section("Bytes held beyond K/V", (memory.HELD_BYTES,), memory.held_bytes),
     Section("Kernels", (decode.KERNELS_GLOB,), decode.kernels),
     Section("Kernel resources at sm_90", (decode.KERNEL_RESOURCES,), decode.kernel_resources),
     Section("Distributed", (memory.DISTRIBUTED,), memory.distributed),

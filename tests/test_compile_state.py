@@ -9,9 +9,9 @@ import contextlib
 
 import pytest
 import torch
-from test_memory import reachable_tensors
 
 from pikv_hf import PiKVCache
+from pikv_hf.memory import reachable_tensors
 from pikv_hf.presses import QuantPress
 from pikv_hf.tiny import tiny_model
 

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
 from pikv_hf import PiKVCache
+from pikv_hf.memory import reachable_tensors
 from pikv_hf.presses import H2OPress, QuantPress
 from pikv_hf.read.plan import _arange
 from pikv_hf.tiny import tiny_model
@@ -88,36 +89,6 @@ class PeakLive(TorchDispatchMode):
             self.live[ptr][1] += 1
             weakref.finalize(t, self._release, ptr)
         return out
-
-
-def reachable_tensors(root) -> dict[int, tuple[str, torch.Tensor]]:
-    """Every tensor reachable from ``root`` through ``__dict__``s, containers and dataclasses (not through modules
-    or weak references), by ``id``, with the first attribute path that reaches it."""
-    seen, out = set(), {}
-    stack = [("", root)]
-    while stack:
-        path, obj = stack.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (torch.nn.Module, type, str, int, float, bool)):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            out[id(obj)] = (path, obj)
-            continue
-        if isinstance(obj, dict):
-            stack.extend((f"{path}[{k!r}]", v) for k, v in obj.items())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(obj))
-        else:
-            stack.extend((f"{path}.{k}", v) for k, v in getattr(obj, "__dict__", {}).items())
-    return out
-
-
-def held_bytes(cache: PiKVCache) -> int:
-    """Bytes of every tensor storage the cache references (each storage once)."""
-    storages = {}
-    for _, t in reachable_tensors(cache).values():
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +193,7 @@ def test_bytes_held_beyond_kv_are_within_5_percent_of_fp16_kv(way):
     cache = PiKVCache(model, **kwargs)
     run(model, cache, prompt(tokens, seed=6), presses, steps=steps)
     fp16 = _fp16_kv(model.config, 1, tokens + steps)
-    extra = held_bytes(cache) - cache.kv_nbytes()
+    extra = cache.held_nbytes() - cache.kv_nbytes()
     assert 0 <= extra <= 0.05 * fp16, f"{name}: {extra / fp16:.4f}x the fp16 KV held beyond K/V"
     if name == "quant4":
         assert cache.kv_nbytes() < 0.4 * fp16  # the 4-bit cache is what it says
@@ -249,7 +220,7 @@ def test_routed_readme_setting_after_sparse_steps_keeps_no_shard_bounds():
     assert all(st.sum is not None for st in stats[1:]) and not any(st.bounds_kept for st in stats)
     assert cache.routing_stats()["overall"]["fraction_tokens_attended"] < 0.5  # the steps read sparsely
     fp16 = _fp16_kv(model.config, 1, tokens + steps)
-    extra = held_bytes(cache) - cache.kv_nbytes()
+    extra = cache.held_nbytes() - cache.kv_nbytes()
     assert 0.15 * fp16 <= extra <= 0.29 * fp16, f"{extra / fp16:.4f}x the fp16 KV held beyond K/V"
 
 

@@ -1,4 +1,5 @@
-"""Memory: ragged per-head budgets of the page store, peak memory of a long prefill, and KV sharded over ranks."""
+"""Memory: ragged per-head budgets of the page store, peak memory of a long prefill, bytes held beyond K/V, and KV
+sharded over ranks."""
 
 from __future__ import annotations
 
@@ -100,6 +101,46 @@ def prefill_memory(rec: Recorder) -> Body:
         reads=NA_READS,
         budget="the ways' own (H2O keeps half resident; 4-bit pages of 64 behind a 128-token window)",
         text=table(header, rows) + "\n\n" + check,
+    )
+
+
+# ------------------------------------------------------------------------------------------ bytes held beyond K/V
+
+HELD_BYTES = f"{BENCH}/held_bytes_cpu.json"
+
+
+def held_bytes(rec: Recorder) -> Body:
+    """Tensor bytes every way's cache references beyond its K/V, in parts, against the fp16 KV."""
+    p = HELD_BYTES
+    d = rec.load(p)
+    rows = []
+    for i, pt in enumerate(d["points"]):
+        k = f"points.{i}."
+        share = [rec.fig("r3", at(p, k + n), at(p, k + "fp16_kv_bytes"), combine="ratio")
+                 for n in ("meta_bytes", "workspace_bytes", "other_bytes")]  # fmt: skip
+        rows.append([pt["shape"], pt["way"], rec.fig("r3", at(p, k + "read_fraction")),
+                     rec.fig("r3", at(p, k + "beyond_kv_over_fp16")), *share, verdict(pt["met"])])  # fmt: skip
+    header = ["shape", "way", "read", "beyond K/V (x fp16 KV)", "store metadata", "CPU gather workspace", "other"]
+    s = d["shapes"]
+    shapes = "; ".join(
+        f"{name}: {v['layers']} layers, {v['query_heads']} query / {v['kv_heads']} KV heads of {v['head_dim']}, "
+        f"{v['context']} tokens" for name, v in s.items()
+    )  # fmt: skip
+    return Body(
+        measured=(
+            f"every tensor storage a cache references (each once, `PiKVCache.held_nbytes`) after a prefill of random "
+            f"tokens and {d['steps']} decode steps (sparse reads forced), less its K/V (resident and offloaded), over "
+            f"the fp16 KV of the tokens held; bfloat16 random-weight models of these attention shapes ({shapes}); "
+            "parts: the stores' metadata (positions, valid bits, masks, page shard ids and key bounds, page tables, "
+            "shard key sums), the torch backend's CPU gather scratch (shared by the layers, as large as one layer's "
+            "read; none on CUDA) and the rest (placement centroids, read state)"
+        ),
+        commands=d["commands"],
+        machine=machine_text(rec, p),
+        reads="routed: 64 (1/8: 32) of 256 key-cluster shards, mass target 0.97; Quest 1/8: 1/8 of the pages per KV "
+        "head (the read column: fraction of the tokens a step attended)",
+        budget="per KV head; 4-bit: pages of 64 behind a 128-token window; H2O: half of each head's tokens offloaded",
+        text=table([*header, f"<= {d['goal_beyond_kv_over_fp16']} (issue 31)"], rows),
     )
 
 

@@ -29,6 +29,7 @@ from pikv_hf.distributed.layer import PartitionedLayer
 from pikv_hf.forward import ForwardState, PagedKV
 from pikv_hf.hf import ForwardAwareCache, attach, detach
 from pikv_hf.layer import PiKVLayer
+from pikv_hf.memory import held_nbytes
 from pikv_hf.read import ReadStats
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
 from pikv_hf.routing.expert import decoder_layers, num_experts_of
@@ -363,6 +364,12 @@ class PiKVCache(ForwardAwareCache):
     def meta_nbytes(self) -> int:
         """Bytes allocated for positions, valid bits, statistics, page tables and shard sums across layers."""
         return sum(layer.meta_nbytes() for layer in self.layers)
+
+    def held_nbytes(self) -> int:
+        """Bytes of every tensor storage the cache references, each storage once: K/V (resident and offloaded),
+        metadata, placement and read state, and the backend's workspace (measured by walking the cache's attributes,
+        ``pikv_hf.memory``)."""
+        return held_nbytes(self)
 
     def workspace_nbytes(self) -> int:
         """Bytes of the attention backend's gather scratch (shared by the layers; not part of the stored KV)."""

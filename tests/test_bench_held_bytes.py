@@ -1,0 +1,55 @@
+"""``benchmarks/held_bytes.py --tiny``: every way's bytes held beyond K/V split into what the stores' metadata, the
+backend's workspace and the rest hold, each part checked against what that way must keep (computed here from the
+shapes, independently of the cache's own accounting)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_benchmark
+
+
+@pytest.fixture(scope="module")
+def points(tmp_path_factory):
+    out = tmp_path_factory.mktemp("held") / "held.json"
+    run_benchmark("held_bytes.py", "--tiny", "--out", str(out))
+    d = json.loads(out.read_text())
+    assert d["complete"] and d["tiny"] and d["goal_beyond_kv_over_fp16"] == 0.05
+    return d["shapes"], {(p["shape"], p["way"]): p for p in d["points"]}
+
+
+def test_every_shape_and_way_has_its_parts(points):
+    shapes, got = points
+    ways = ["exact", "routed", "routed_1_8", "quest_1_8", "quant4", "quest_quant4", "h2o_offload_routed"]
+    assert sorted(got) == sorted((s, w) for s in shapes for w in ways)
+    for (shape, way), p in got.items():
+        s = shapes[shape]
+        assert p["fp16_kv_bytes"] == 4 * p["tokens"] * s["kv_heads"] * s["head_dim"] * s["layers"]
+        parts = p["kv_bytes"] + p["offloaded_bytes"] + p["meta_bytes"] + p["workspace_bytes"] + p["other_bytes"]
+        assert p["other_bytes"] >= 0 and parts == p["held_bytes"], (shape, way, p)
+        assert p["beyond_kv_over_fp16"] == pytest.approx(p["beyond_kv_bytes"] / p["fp16_kv_bytes"], abs=1e-4)
+        assert p["met"] == (p["beyond_kv_bytes"] <= 0.05 * p["fp16_kv_bytes"])
+
+
+def test_each_way_holds_what_it_must(points):
+    shapes, got = points
+    for shape, s in shapes.items():
+        fp16 = got[shape, "exact"]["fp16_kv_bytes"]
+        exact, quant = got[shape, "exact"], got[shape, "quant4"]
+        assert fp16 <= exact["kv_bytes"] <= 1.1 * fp16  # bf16 K/V of every token, pages rounded up
+        assert quant["kv_bytes"] < 0.7 * fp16  # 4-bit codes behind a 128-token bf16 window (of ~500 tokens here)
+        for way in ("exact", "quant4"):  # dense reads are views of the pool: no gather scratch
+            assert got[shape, way]["workspace_bytes"] == 0 and got[shape, way]["read_fraction"] == 1.0
+        for way in ("routed", "routed_1_8", "quest_1_8", "quest_quant4"):  # sparse reads gather into the scratch
+            p = got[shape, way]
+            assert 0 < p["workspace_bytes"] < fp16 / s["layers"] and p["read_fraction"] < 1.0, (shape, way, p)
+        # the key-cluster placement's float32 centroids: 256 shards x head dim per layer and KV head
+        centroids = 4 * 256 * s["head_dim"] * s["kv_heads"] * s["layers"]
+        for way in ("routed", "routed_1_8", "h2o_offload_routed"):
+            assert centroids <= got[shape, way]["other_bytes"] <= 1.2 * centroids, (shape, way)
+        # Quest's key min / max of every page of 16 tokens, in the keys' bfloat16: a sixteenth of the fp16 KV
+        quest = got[shape, "quest_1_8"]
+        assert 0.0625 * fp16 <= quest["meta_bytes"] - exact["meta_bytes"] <= 0.07 * fp16
+        h2o = got[shape, "h2o_offload_routed"]  # half of every head's tokens moved to the offload tier
+        assert h2o["offloaded_bytes"] > 0.4 * fp16 and h2o["kv_bytes"] + h2o["offloaded_bytes"] >= fp16
