@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/pikv-hf demo
 
 # one test process per core of a 2-core machine, each module on one of them (its module fixtures built once):
-# about 8 minutes there against 15 in one process
+# 8-11 minutes there against 14-16 in one process
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks eval
