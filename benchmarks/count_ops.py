@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from pikv_hf import PiKVCache
-from pikv_hf.presses import QuantPress
+from pikv_hf.presses import H2OPress, QuantPress
 
 ROUTED = dict(
     router="key_cluster", num_shards=256, page_size=1, attention="routed", top_k_shards=64, mass_target=0.97,
@@ -42,14 +43,15 @@ ROUTED = dict(
 )  # fmt: skip
 QUEST = dict(attention="quest", read_fraction=0.125, sparse_from=0)
 QUANT = dict(page_size=64)
-# way -> (cache arguments, None: DynamicCache; whether QuantPress(bits=4) compresses the prefill)
-WAYS: dict[str, tuple[dict | None, bool]] = {
-    "dynamic": (None, False),
-    "exact": ({}, False),
-    "routed": (ROUTED, False),
-    "quest_1_8": (QUEST, False),
-    "quant4": (QUANT, True),
-    "quest_quant4": ({**QUANT, **QUEST}, True),
+# way -> (cache arguments, None: DynamicCache; the presses of its prefill)
+WAYS: dict[str, tuple[dict | None, Callable[[], list]]] = {
+    "dynamic": (None, list),
+    "exact": ({}, list),
+    "routed": (ROUTED, list),
+    "quest_1_8": (QUEST, list),
+    "quant4": (QUANT, lambda: [QuantPress(bits=4)]),
+    "quest_quant4": ({**QUANT, **QUEST}, lambda: [QuantPress(bits=4)]),
+    "h2o_offload_routed": (ROUTED, lambda: [H2OPress(0.5, offload="cpu")]),  # routed reads over two tiers
 }
 # ratio to DynamicCache's count each way should stay under (issue 31, item 4)
 GOALS = {"exact": 1.2, "routed": 1.6, "quest_1_8": 1.6, "quant4": 1.4, "quest_quant4": 1.6}
@@ -96,12 +98,12 @@ class OpCounter(TorchDispatchMode):
 
 def count_way(model, way: str, ids: torch.Tensor, warmup: int = 2) -> OpCounter:
     """Operators of one decode step of ``way`` after a prefill of ``ids`` (``[B, T]``) and ``warmup`` steps."""
-    kwargs, quant = WAYS[way]
+    kwargs, presses = WAYS[way]
     cache = DynamicCache() if kwargs is None else PiKVCache(model, **kwargs)
     with torch.no_grad():
         with contextlib.ExitStack() as stack:
-            if quant:
-                stack.enter_context(QuantPress(bits=4)(model))
+            for press in presses():
+                stack.enter_context(press(model))
             logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
         token = logits[:, -1:].argmax(-1)
         for _ in range(warmup):

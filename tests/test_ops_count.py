@@ -19,7 +19,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
 # Ratio to DynamicCache's count that each way must stay under at 4 layers: what this commit reaches, rounded up
 # (count_ops.GOALS, issue 31: every way but Quest + 4-bit is under its goal). Quest + 4-bit counts 3 CPU-only
 # operators per store and layer that size its plans for the CPU read (read.quest._used; 2.0 without them).
-CEILINGS = {"exact": 1.03, "routed": 1.32, "quest_1_8": 1.48, "quant4": 1.18, "quest_quant4": 2.07}
+# H2O + offload + routed selects over its two tiers in one operator (StoreGroup.key_stats; the tiers' combined
+# summary took 3.16x at 30 layers).
+CEILINGS = {"exact": 1.03, "routed": 1.32, "quest_1_8": 1.48, "quant4": 1.18, "quest_quant4": 2.07,
+            "h2o_offload_routed": 1.74}  # fmt: skip
 
 
 def test_counter_counts_kernels_and_host_reads_apart():

@@ -435,6 +435,7 @@ def ops_per_step(rec: Recorder) -> Body:
         reads="routed: 64 of 256 key-cluster shards (mass target 0.97); Quest 1/8: 1/8 of the pages per KV head",
         budget="per KV head (the reads above); 4-bit: the prefill's tokens kept in 4-bit pages",
         text=table(["way", "operators", "x DynamicCache", "host reads", "goal (issue 31)"], rows)
-        + "\n\nThe routed way's host reads are one per sparse layer on the CPU torch path only (its frame-wide plan is "
-        "trimmed to the longest row before the gather); the Triton path on CUDA makes none.",
+        + "\n\nThe routed ways' host reads are one per sparse layer and store on the CPU torch path only (its "
+        "frame-wide plan is trimmed to the longest row before the gather); the Triton path on CUDA makes none. H2O + "
+        "offload + routed (no goal in issue 31) selects over its two tiers in one operator (`StoreGroup.key_stats`).",
     )
