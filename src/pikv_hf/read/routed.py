@@ -62,16 +62,16 @@ class RoutedRead(SparseRead):
         selector, which neither counts misses nor learns nor reads the shard bounds."""
         return type(self.selector) is TopKSelector and self.selector.score == "centroid" and not self.learns()
 
-    def chosen(self, store: PagedStore | StoreGroup, qg: torch.Tensor, scale: float) -> torch.Tensor:
+    def chosen(self, group: StoreGroup, qg: torch.Tensor, scale: float) -> torch.Tensor:
         """``[B, H, S]`` bool: the shards the query rows ``qg`` (``[B, H, G, D]``) read, as :meth:`choose` selects
         them. The top-k centroid selector, which neither counts misses nor learns, selects in one operator
         (``pikv_hf.kernels.route_select``) from the key sums of the layer's stores (summed over its tiers: no
         store keeps shard key bounds for it)."""
         if not self._plain():
-            selected, keep = self.choose(store, qg, scale)
-            b, h, s = store.batch, store.heads, store.num_shards
+            selected, keep = self.choose(group, qg, scale)
+            b, h, s = group.batch, group.heads, group.num_shards
             return torch.zeros(b, h, s, dtype=torch.bool, device=selected.device).scatter_(2, selected, keep)
-        sums, squares, counts = (store if isinstance(store, StoreGroup) else StoreGroup([store])).key_stats()
+        sums, squares, counts = group.key_stats()
         return route_select(qg, sums, squares, counts, scale, self.config.top_k_shards, self.config.mass_target)
 
     def _summary(self, store: PagedStore | StoreGroup) -> ShardSummary:
