@@ -65,8 +65,9 @@ class Mode:
     cache: dict | None
     presses: Callable[[], list] = field(default=lambda: [])
 
-    def build(self, model):
-        return DynamicCache() if self.cache is None else PiKVCache(model, **self.cache)
+    def build(self, model, **overrides):
+        """The way's cache for ``model`` (``overrides``: further PiKVCache arguments, e.g. ``sparse_from=0``)."""
+        return DynamicCache() if self.cache is None else PiKVCache(model, **{**self.cache, **overrides})
 
 
 MODES = {

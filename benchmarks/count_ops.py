@@ -26,33 +26,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from bench_cache import run_metadata, write_result
+from bench_e2e import MODES
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from pikv_hf import PiKVCache
-from pikv_hf.presses import H2OPress, QuantPress
-
-ROUTED = dict(
-    router="key_cluster", num_shards=256, page_size=1, attention="routed", top_k_shards=64, mass_target=0.97,
-    dense_layers=1, sparse_from=0,
-)  # fmt: skip
-QUEST = dict(attention="quest", read_fraction=0.125, sparse_from=0)
-QUANT = dict(page_size=64)
-# way -> (cache arguments, None: DynamicCache; the presses of its prefill)
-WAYS: dict[str, tuple[dict | None, Callable[[], list]]] = {
-    "dynamic": (None, list),
-    "exact": ({}, list),
-    "routed": (ROUTED, list),
-    "quest_1_8": (QUEST, list),
-    "quant4": (QUANT, lambda: [QuantPress(bits=4)]),
-    "quest_quant4": ({**QUANT, **QUEST}, lambda: [QuantPress(bits=4)]),
-    "h2o_offload_routed": (ROUTED, lambda: [H2OPress(0.5, offload="cpu")]),  # routed reads over two tiers
-}
+# bench_e2e's ways (cache arguments and prefill presses); H2O + offload + routed reads over two tiers
+WAYS = ["dynamic", "exact", "routed", "quest_1_8", "quant4", "quest_quant4", "h2o_offload_routed"]
 # ratio to DynamicCache's count each way should stay under (issue 31, item 4)
 GOALS = {"exact": 1.2, "routed": 1.6, "quest_1_8": 1.6, "quant4": 1.4, "quest_quant4": 1.6}
 
@@ -98,11 +81,11 @@ class OpCounter(TorchDispatchMode):
 
 def count_way(model, way: str, ids: torch.Tensor, warmup: int = 2) -> OpCounter:
     """Operators of one decode step of ``way`` after a prefill of ``ids`` (``[B, T]``) and ``warmup`` steps."""
-    kwargs, presses = WAYS[way]
-    cache = DynamicCache() if kwargs is None else PiKVCache(model, **kwargs)
+    mode = MODES[way]
+    cache = mode.build(model, sparse_from=0)
     with torch.no_grad():
         with contextlib.ExitStack() as stack:
-            for press in presses():
+            for press in mode.presses():
                 stack.enter_context(press(model))
             logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
         token = logits[:, -1:].argmax(-1)
@@ -123,7 +106,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
+    parser.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS)
     parser.add_argument("--top", type=int, default=15, help="operators listed per way, most frequent first")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ops_per_step_cpu.json"))
     args = parser.parse_args()

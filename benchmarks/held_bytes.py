@@ -38,7 +38,6 @@ import torch
 from bench_cache import run_metadata, write_result
 from bench_e2e import MODES
 
-from pikv_hf import PiKVCache
 from pikv_hf.tiny import tiny_model
 
 GOAL = 0.05  # bytes held beyond K/V over the fp16 KV (issue 31, item 5)
@@ -75,7 +74,7 @@ def model_of(shape: Shape, steps: int):
 def measure(model, shape: Shape, way: str, steps: int) -> dict:
     """Prefill ``shape.context`` random tokens into ``way``'s cache, take ``steps`` decode steps, count its bytes."""
     mode = MODES[way]
-    cache = PiKVCache(model, **{**mode.cache, "sparse_from": 0})
+    cache = mode.build(model, sparse_from=0)
     ids = torch.randint(3, model.config.vocab_size, (1, shape.context), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
     with torch.no_grad():
