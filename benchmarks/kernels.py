@@ -309,6 +309,19 @@ def graph_step(args, ms, backend, tokens: int, batch: int, peak: float, gen) -> 
             "over_bound": replay / bound}  # fmt: skip
 
 
+def sinks_and_window(dev: torch.device, batch: int, h: int, tokens: int, page: int) -> tuple[torch.Tensor, ...]:
+    """A full store's runs laid back to back, ``tokens // page`` pages each, and their special slots: the first 4
+    (sinks) and last 64 (recent window) tokens of every (row, KV head). Returns ``(start [B, H], slots, spos [B, H, 68],
+    reach [68], qpos [1])`` as the selection operators take them."""
+    n_sink, window = 4, 64
+    local = torch.cat([torch.arange(n_sink), torch.arange(tokens - window, tokens)]).to(dev)
+    start = (torch.arange(batch * h, device=dev) * (tokens // page)).view(batch, h)
+    slots = (start.unsqueeze(-1) * page + local).contiguous()
+    spos = local.expand(batch, h, -1).contiguous()
+    reach = torch.tensor([2**61] * n_sink + [window] * window, device=dev)
+    return start, slots, spos, reach, torch.tensor([tokens], device=dev)
+
+
 def routed_selection(args, ms, tokens: int, batch: int) -> dict:
     """The routed read's selection and plan for one layer in the README's setting (``ROUTED_SHARDS`` key-cluster
     shards, pages of one token, top-p 0.97 capped at a quarter of the shards, 4 sinks and 64 recent tokens):
@@ -325,13 +338,7 @@ def routed_selection(args, ms, tokens: int, batch: int) -> dict:
     counts = torch.zeros(batch, h, s, dtype=torch.int64, device=dev)
     counts.scatter_add_(2, shard.long(), torch.ones_like(at[..., 0]))
     del at, keys
-    n_sink, window = 4, 64
-    local = torch.cat([torch.arange(n_sink), torch.arange(tokens - window, tokens)]).to(dev)
-    start = (torch.arange(batch * h, device=dev) * tokens).view(batch, h)  # pages of one: each run back to back
-    slots = (start.unsqueeze(-1) + local).contiguous()
-    spos = local.expand(batch, h, -1).contiguous()
-    reach = torch.tensor([2**61] * n_sink + [window] * window, device=dev)
-    qpos = torch.tensor([tokens], device=dev)
+    start, slots, spos, reach, qpos = sinks_and_window(dev, batch, h, tokens, 1)  # pages of one
 
     def select() -> torch.Tensor:
         return route_select(query, sums, squares, counts, d**-0.5, s // 4, 0.97)
@@ -366,13 +373,7 @@ def quest_selection(args, ms, peak: float, tokens: int, batch: int, page: int = 
     low = torch.randn(batch, h, w, d, generator=gen, device=dev)
     high = low + torch.rand(batch, h, w, d, generator=gen, device=dev)
     valid = torch.ones(batch, h, w * page, dtype=torch.bool, device=dev)
-    n_sink, window = 4, 64
-    local = torch.cat([torch.arange(n_sink), torch.arange(tokens - window, tokens)]).to(dev)
-    start = (torch.arange(batch * h, device=dev) * w).view(batch, h)  # runs back to back
-    slots = (start.unsqueeze(-1) * page + local).contiguous()
-    spos = local.expand(batch, h, -1).contiguous()
-    reach = torch.tensor([2**61] * n_sink + [window] * window, device=dev)
-    qpos = torch.tensor([tokens], device=dev)
+    start, slots, spos, reach, qpos = sinks_and_window(dev, batch, h, tokens, page)
     n_pages = torch.full((batch, h), w, dtype=torch.int64, device=dev)
     width = math.ceil(w * fraction)
     out = {"tokens": tokens, "batch": batch, "page_size": page, "fraction": fraction, "scores": {}}

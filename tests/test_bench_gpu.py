@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 from helpers import run_benchmark
+from test_results_page import check_figures, rp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))
-rp = importlib.import_module("results_page")
-fw = importlib.import_module("results_sections.framework")
 
 EAGER_WAYS = ["dynamic", "exact", "routed", "routed_1_8", "quest_1_8", "quant4", "quest_quant4", "h2o_offload_routed"]
 COMPILED_WAYS = ["static", "exact", "routed_1_8"]  # a compiled 4-bit step: test_quant_ops, test_compile_state
@@ -97,10 +96,7 @@ def test_results_page_shows_the_gpu_json(run):
     (section,) = [s for s in built.sections if s.title == "Decode on a GPU"]
     assert "PiKVCache exact" in section.markdown and "graph breaks" in section.markdown
     assert section.files and built.figures
-    for fig in built.figures:  # every figure recomputes from the source it records
-        rec = fw.Recorder(root)
-        assert fw.FORMATS[fig.fmt](rec.value(*fig.sources, combine=fig.combine)) == fig.text
-        assert fig.text in built.page
+    check_figures(root, built.figures, built.page)  # every figure recomputes from the source it records
 
 
 def test_results_page_leaves_the_section_out_without_gpu_json():

@@ -6,16 +6,10 @@ bytes over bfloat16 bounds, and ``make results`` renders it all."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 from helpers import run_benchmark
-
-sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
-rp = importlib.import_module("results_page")
-fw = importlib.import_module("results_sections.framework")
+from test_results_page import check_figures, rp
 
 
 def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_path):
@@ -54,5 +48,4 @@ def test_kernels_benchmark_runs_tiny_and_its_reads_equal_gather_and_sdpa(tmp_pat
     built = rp.build(tmp_path)  # the page's Kernels section from this JSON alone
     (section,) = [s for s in built.sections if s.title == "Kernels"]
     assert "Routed selection of one layer" in section.markdown and "Quest selection of one layer" in section.markdown
-    for fig in built.figures:  # every figure recomputes from the source it records
-        assert fw.FORMATS[fig.fmt](fw.Recorder(tmp_path).value(*fig.sources, combine=fig.combine)) == fig.text
+    check_figures(tmp_path, built.figures, built.page)  # every figure recomputes from the source it records
