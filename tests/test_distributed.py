@@ -13,6 +13,7 @@ from helpers import free_port, generate, max_logit_diff, model_pair, prompt
 from pikv_hf import PiKVCache
 from pikv_hf.distributed import Communicator, ShardPlan, split_shards
 from pikv_hf.store import PagedStore
+from pikv_hf.store.group import StoreGroup
 from pikv_hf.tiny import tiny_model
 
 ROUTED = dict(attention="routed", top_k_shards=2, n_sink=2, window=4)
@@ -62,12 +63,22 @@ def test_partitions_of_one_process_match_the_single_store(arch, router, read):
         # layers' keys carry the rounding of the merged attention), so routed selection is the same
         ref_st = single.layers[layer.layer_idx].store
         assert torch.equal(st.stats.count, ref_st.stats.count)
-        same = (lambda a, b: torch.allclose(a, b, atol=1e-6)) if layer.layer_idx == 0 else (
-            lambda a, b: torch.allclose(a, b, atol=1e-5)
-        )  # the single store sums its pages once asked (another summation order), the partitions as keys arrive
+        # the single store sums its pages once asked (another summation order), the partitions as keys arrive
+        atol = 1e-6 if layer.layer_idx == 0 else 1e-5
+
+        def same(a, b, atol=atol):
+            return torch.allclose(a, b, atol=atol)
+
         zero = torch.zeros_like(ref_st.stats.count)
         got, want = st.summary(zero), ref_st.summary(zero)
         assert same(got.centroids, want.centroids) and same(got.key_var, want.key_var)
+        # what the top-k centroid selection reads (RoutedRead.chosen): the sums of every shard, not the local ones
+        for a, b in zip(st.key_stats(), StoreGroup([ref_st]).key_stats(), strict=True):
+            assert a.shape == b.shape and same(a.float(), b.float())
+        # the partitioned layer hands its store to the reads where a plain layer hands a StoreGroup
+        group = single.layers[layer.layer_idx]._group()
+        assert isinstance(group, StoreGroup) and layer._group() is st
+        assert not [n for n in dir(group) if not n.startswith("_") and not hasattr(st, n)]
     if read:
         got, want = cache.routing_stats()["overall"], single.routing_stats()["overall"]
         assert got["layer_steps"] == want["layer_steps"] and got["decode_steps"] == want["decode_steps"]

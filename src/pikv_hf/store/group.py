@@ -16,7 +16,10 @@ from pikv_hf.store.paged import PagedStore
 
 
 class StoreGroup:
-    """The hot store and its tiers, with the shard summary of all of them (what a selector reads)."""
+    """The hot store and its tiers, with the shard summary of all of them (what a selector reads).
+
+    A partitioned layer hands the reads a ``pikv_hf.distributed.PartitionedStore`` in its place, with the same public
+    members (``tests/test_distributed.py`` checks that it has every one)."""
 
     holds_newest = True  # the first store (the hot one) holds the token being decoded
 
