@@ -14,6 +14,10 @@ tensors:
 * ``workspace``: the torch backend's CPU gather scratch, one buffer per field shared by all layers (as large as the
   largest read of one layer; on CUDA a gather allocates its output instead);
 * ``other``: the rest (the key-cluster placement's centroids and counts, read and routing state);
+* of these, the summaries a sparse read selects from, which grow with the shards or pages and not with the tokens:
+  ``shard_stats`` (every store's per-shard key sums, squares and bounds, in ``meta``), ``page_bounds`` (Quest's key
+  min / max per page, in ``meta``) and ``centroids`` (the key-cluster placement's, in ``other``), told apart by the
+  attribute that holds each tensor (``pikv_hf.memory.reachable_tensors``);
 * ``beyond_kv_over_fp16`` = (held - kv - offloaded) / the fp16 KV of the tokens held (2 x 2 B x tokens x KV heads x
   head dim x layers).
 
@@ -38,6 +42,7 @@ import torch
 from bench_cache import run_metadata, write_result
 from bench_e2e import MODES
 
+from pikv_hf.memory import reachable_tensors
 from pikv_hf.tiny import tiny_model
 
 GOAL = 0.05  # bytes held beyond K/V over the fp16 KV (issue 31, item 5)
@@ -71,6 +76,27 @@ def model_of(shape: Shape, steps: int):
     )  # fmt: skip
 
 
+# attribute path endings of the summary tensors, by part (a tensor counts in the first part whose ending it has)
+SUMMARIES = {
+    "shard_stats": (".stats.sum", ".stats.sq", ".stats.min", ".stats.max"),
+    "page_bounds": ("['key_min']", "['key_max']"),
+    "centroids": (".placement.centroids",),
+}
+
+
+def summary_parts(cache) -> dict[str, int]:
+    """Bytes of the cache's summary tensors by part (``SUMMARIES``), each storage once."""
+    parts = dict.fromkeys(SUMMARIES, 0)
+    seen = set()
+    for path, t in reachable_tensors(cache).values():
+        part = next((n for n, ends in SUMMARIES.items() if path.endswith(ends)), None)
+        storage = t.untyped_storage()
+        if part is not None and (t.device, storage.data_ptr()) not in seen:
+            seen.add((t.device, storage.data_ptr()))
+            parts[part] += storage.nbytes()
+    return parts
+
+
 def measure(model, shape: Shape, way: str, steps: int) -> dict:
     """Prefill ``shape.context`` random tokens into ``way``'s cache, take ``steps`` decode steps, count its bytes."""
     mode = MODES[way]
@@ -99,6 +125,7 @@ def measure(model, shape: Shape, way: str, steps: int) -> dict:
         "meta_bytes": meta,
         "workspace_bytes": workspace,
         "other_bytes": beyond - meta - workspace,
+        **{f"{name}_bytes": n for name, n in summary_parts(cache).items()},
         "beyond_kv_bytes": beyond,
         "beyond_kv_over_fp16": round(beyond / fp16, 4),
         "met": beyond <= GOAL * fp16,
@@ -156,7 +183,8 @@ def main() -> None:
                 f"{name:12s} {way:19s} beyond K/V {point['beyond_kv_over_fp16']:.4f}x fp16 (meta "
                 f"{point['meta_bytes'] / point['fp16_kv_bytes']:.4f}, workspace "
                 f"{point['workspace_bytes'] / point['fp16_kv_bytes']:.4f}, other "
-                f"{point['other_bytes'] / point['fp16_kv_bytes']:.4f}) {point['seconds']} s",
+                f"{point['other_bytes'] / point['fp16_kv_bytes']:.4f}; summaries "
+                f"{sum(point[f'{n}_bytes'] for n in SUMMARIES) / point['fp16_kv_bytes']:.4f}) {point['seconds']} s",
                 flush=True,
             )
             write_result(args.out, result)  # each point as it comes: a cut run keeps what it measured

@@ -16,11 +16,11 @@ def points(tmp_path_factory):
     run_benchmark("held_bytes.py", "--tiny", "--out", str(out))
     d = json.loads(out.read_text())
     assert d["complete"] and d["tiny"] and d["goal_beyond_kv_over_fp16"] == 0.05
-    return d["shapes"], {(p["shape"], p["way"]): p for p in d["points"]}
+    return d["shapes"], {(p["shape"], p["way"]): p for p in d["points"]}, d["ways"]
 
 
 def test_every_shape_and_way_has_its_parts(points):
-    shapes, got = points
+    shapes, got, _ = points
     ways = ["exact", "routed", "routed_1_8", "quest_1_8", "quant4", "quest_quant4", "h2o_offload_routed"]
     assert sorted(got) == sorted((s, w) for s in shapes for w in ways)
     for (shape, way), p in got.items():
@@ -33,7 +33,7 @@ def test_every_shape_and_way_has_its_parts(points):
 
 
 def test_each_way_holds_what_it_must(points):
-    shapes, got = points
+    shapes, got, _ = points
     for shape, s in shapes.items():
         fp16 = got[shape, "exact"]["fp16_kv_bytes"]
         exact, quant = got[shape, "exact"], got[shape, "quant4"]
@@ -53,3 +53,31 @@ def test_each_way_holds_what_it_must(points):
         assert 0.0625 * fp16 <= quest["meta_bytes"] - exact["meta_bytes"] <= 0.07 * fp16
         h2o = got[shape, "h2o_offload_routed"]  # half of every head's tokens moved to the offload tier
         assert h2o["offloaded_bytes"] > 0.4 * fp16 and h2o["kv_bytes"] + h2o["offloaded_bytes"] >= fp16
+
+
+def test_the_summaries_are_the_tensors_each_way_selects_from(points):
+    """The summary parts, measured on the tensors by the attribute holding them, against their sizes from the shapes:
+    float32 sums and squares of 256 shards x head dim in every store of a routed layer (the dense first layer keeps
+    none; H2O's offload tier keeps its own), the placement's float32 centroids in every layer, Quest's two bounds of
+    every page of 16 tokens in the keys' bfloat16 (pages of 64 over 4-bit codes: float32)."""
+    shapes, got, ways = points
+    for shape, s in shapes.items():
+        per_layer = 4 * 256 * s["head_dim"] * s["kv_heads"]  # one float32 [S, D] per KV head
+        for way, spec in ways.items():
+            p = got[shape, way]
+            routed = spec["cache"].get("attention") == "routed"
+            stores = 2 if way == "h2o_offload_routed" else 1
+            sparse_layers = s["layers"] - spec["cache"].get("dense_layers", 0)
+            assert p["shard_stats_bytes"] == (2 * per_layer * sparse_layers * stores if routed else 0), (shape, way)
+            assert p["centroids_bytes"] == (per_layer * s["layers"] if routed else 0), (shape, way)
+            assert p["centroids_bytes"] <= p["other_bytes"]
+            assert p["shard_stats_bytes"] + p["page_bounds_bytes"] <= p["meta_bytes"]
+            if spec["cache"].get("attention") != "quest":
+                assert p["page_bounds_bytes"] == 0, (shape, way)
+                continue
+            bounds = 2 * s["head_dim"] * s["kv_heads"] * s["layers"]  # bytes per page and byte per element
+            if spec["presses"] == ["QuantPress"]:  # pages of 64: the hot window's in bfloat16, the 4-bit tier's float32
+                pages = -(-p["tokens"] // 64)
+                assert 2 * bounds * pages < p["page_bounds_bytes"] < 4 * bounds * pages, (shape, way)
+            else:
+                assert p["page_bounds_bytes"] == 2 * bounds * -(-p["tokens"] // 16), (shape, way)

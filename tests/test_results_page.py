@@ -69,6 +69,10 @@ def recompute(root: Path, fig):
         return values[0]
     if fig.combine == "ratio":
         return values[0] / values[1]
+    if fig.combine == "sum_ratio":
+        return sum(values[:-1]) / values[-1]
+    if fig.combine == "rest_ratio":
+        return (values[0] - sum(values[1:-1])) / values[-1]
     if fig.combine in ("lost", "won"):
         return flips(values[0], values[1], -1 if fig.combine == "lost" else 1)
     assert fig.combine == "same"

@@ -115,6 +115,8 @@ def same_predictions(rows: list[dict], ref: list[dict]) -> int:
 COMBINE: dict[str, Callable[[list[Any]], Any]] = {
     "first": lambda v: v[0],
     "ratio": lambda v: v[0] / v[1],
+    "sum_ratio": lambda v: sum(v[:-1]) / v[-1],  # parts over a whole
+    "rest_ratio": lambda v: (v[0] - sum(v[1:-1])) / v[-1],  # a part less the parts counted apart, over a whole
     "lost": lambda v: needle_flips(v[0], v[1], -1),
     "won": lambda v: needle_flips(v[0], v[1], 1),
     "same": lambda v: same_predictions(v[0], v[1]),

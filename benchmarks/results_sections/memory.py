@@ -116,11 +116,18 @@ def held_bytes(rec: Recorder) -> Body:
     rows = []
     for i, pt in enumerate(d["points"]):
         k = f"points.{i}."
-        share = [rec.fig("r3", at(p, k + n), at(p, k + "fp16_kv_bytes"), combine="ratio")
-                 for n in ("meta_bytes", "workspace_bytes", "other_bytes")]  # fmt: skip
+        fp16 = at(p, k + "fp16_kv_bytes")
+        summaries = [at(p, k + n) for n in ("shard_stats_bytes", "page_bounds_bytes", "centroids_bytes")]
+        share = [
+            rec.fig("r3", *summaries, fp16, combine="sum_ratio"),
+            rec.fig("r3", at(p, k + "meta_bytes"), *summaries[:2], fp16, combine="rest_ratio"),
+            rec.fig("r3", at(p, k + "workspace_bytes"), fp16, combine="ratio"),
+            rec.fig("r3", at(p, k + "other_bytes"), summaries[2], fp16, combine="rest_ratio"),
+        ]
         rows.append([pt["shape"], pt["way"], rec.fig("r3", at(p, k + "read_fraction")),
                      rec.fig("r3", at(p, k + "beyond_kv_over_fp16")), *share, verdict(pt["met"])])  # fmt: skip
-    header = ["shape", "way", "read", "beyond K/V (x fp16 KV)", "store metadata", "CPU gather workspace", "other"]
+    header = ["shape", "way", "read", "beyond K/V (x fp16 KV)", "summaries", "other store metadata",
+              "CPU gather workspace", "other"]  # fmt: skip
     s = d["shapes"]
     shapes = "; ".join(
         f"{name}: {v['layers']} layers, {v['query_heads']} query / {v['kv_heads']} KV heads of {v['head_dim']}, "
@@ -131,9 +138,14 @@ def held_bytes(rec: Recorder) -> Body:
             f"every tensor storage a cache references (each once, `PiKVCache.held_nbytes`) after a prefill of random "
             f"tokens and {d['steps']} decode steps (sparse reads forced), less its K/V (resident and offloaded), over "
             f"the fp16 KV of the tokens held; bfloat16 random-weight models of these attention shapes ({shapes}); "
-            "parts: the stores' metadata (positions, valid bits, masks, page shard ids and key bounds, page tables, "
-            "shard key sums), the torch backend's CPU gather scratch (shared by the layers, as large as one layer's "
-            "read; none on CUDA) and the rest (placement centroids, read state)"
+            "parts: the summaries a sparse read selects from, which grow with the shards or pages and not with the "
+            "tokens (float32 key sums and squares of every shard in every store of a routed layer, Quest's key min / "
+            "max of every page, the key-cluster placement's float32 centroids), the stores' other metadata "
+            "(positions, valid bits, masks, page shard ids, page tables, shard token counts), the torch backend's "
+            "CPU gather scratch (shared by the layers, as large as one layer's read; none on CUDA) and the rest "
+            "(placement counts, read state). Routed at 4096 tokens: 256 shards' sums, squares and centroids are 3 x "
+            "256 float32 vectors per KV head and layer against 4096 tokens' fp16 K and V, 0.19 of the KV whatever "
+            "the read; at 32768 tokens an eighth of that. Quest: two bfloat16 vectors per page of 16, 1/16 of the KV"
         ),
         commands=d["commands"],
         machine=machine_text(rec, p),
