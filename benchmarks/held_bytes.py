@@ -42,7 +42,7 @@ import torch
 from bench_cache import run_metadata, write_result
 from bench_e2e import MODES
 
-from pikv_hf.memory import reachable_tensors
+from pikv_hf.memory import reachable_tensors, storage_nbytes
 from pikv_hf.tiny import tiny_model
 
 GOAL = 0.05  # bytes held beyond K/V over the fp16 KV (issue 31, item 5)
@@ -76,7 +76,7 @@ def model_of(shape: Shape, steps: int):
     )  # fmt: skip
 
 
-# attribute path endings of the summary tensors, by part (a tensor counts in the first part whose ending it has)
+# attribute path endings of the summary tensors, by part
 SUMMARIES = {
     "shard_stats": (".stats.sum", ".stats.sq", ".stats.min", ".stats.max"),
     "page_bounds": ("['key_min']", "['key_max']"),
@@ -86,15 +86,8 @@ SUMMARIES = {
 
 def summary_parts(cache) -> dict[str, int]:
     """Bytes of the cache's summary tensors by part (``SUMMARIES``), each storage once."""
-    parts = dict.fromkeys(SUMMARIES, 0)
-    seen = set()
-    for path, t in reachable_tensors(cache).values():
-        part = next((n for n, ends in SUMMARIES.items() if path.endswith(ends)), None)
-        storage = t.untyped_storage()
-        if part is not None and (t.device, storage.data_ptr()) not in seen:
-            seen.add((t.device, storage.data_ptr()))
-            parts[part] += storage.nbytes()
-    return parts
+    tensors = reachable_tensors(cache).values()
+    return {name: storage_nbytes(t for path, t in tensors if path.endswith(ends)) for name, ends in SUMMARIES.items()}
 
 
 def measure(model, shape: Shape, way: str, steps: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,10 +30,15 @@ def reachable_tensors(root: Any) -> dict[int, tuple[str, torch.Tensor]]:
     return out
 
 
-def held_nbytes(root: Any) -> int:
-    """Bytes of every tensor storage reachable from ``root`` (:func:`reachable_tensors`), each storage once."""
+def storage_nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (views of one storage count it once)."""
     storages = {}
-    for _, t in reachable_tensors(root).values():
+    for t in tensors:
         storage = t.untyped_storage()
         storages[(t.device, storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
+
+
+def held_nbytes(root: Any) -> int:
+    """Bytes of every tensor storage reachable from ``root`` (:func:`reachable_tensors`), each storage once."""
+    return storage_nbytes(t for _, t in reachable_tensors(root).values())

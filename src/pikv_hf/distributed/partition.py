@@ -112,7 +112,7 @@ class PartitionedStore:
     def key_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sums, squares, counts)`` of every shard's keys (as ``StoreGroup.key_stats``; the same on every rank):
         what the top-k centroid selection reads."""
-        return (*self.stats.key_stats()[:2], self.stats.count)
+        return self.stats.sums_and_counts()
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The summaries of every shard of the layer (the same on every rank)."""

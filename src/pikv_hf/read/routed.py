@@ -53,7 +53,8 @@ class RoutedRead(SparseRead):
             self.misses = torch.zeros(shape, dtype=torch.int64, device=group.device)
         if all(s.summaries_kept for s in group.stores):  # sums an eviction left stale: recounted here, not in a step
             if self._plain():
-                group.key_stats()
+                for store in group.stores:
+                    store.shard_stats()
             else:
                 group.summary(self.misses)
 

@@ -53,7 +53,7 @@ class StoreGroup:
         """``(sums, squares, counts)`` of every shard's keys over all stores, on the group's device (``[B, H, S, D]``
         float32 twice, ``[B, H, S]``; one store: its own tensors): what the top-k centroid selection reads, without
         the key bounds :meth:`summary` computes and keeps in every store."""
-        parts = [(*st.key_stats()[:2], st.count) for st in (s.shard_stats() for s in self.stores)]
+        parts = [s.shard_stats().sums_and_counts() for s in self.stores]
         if len(parts) == 1:
             return parts[0]
         sums, squares, counts = (sum(p[i].to(self.device) for p in parts) for i in range(3))

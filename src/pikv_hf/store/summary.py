@@ -55,6 +55,12 @@ class ShardStats:
         self._keep_keys()
         return self.sum, self.sq, self.min, self.max
 
+    def sums_and_counts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The key sums and squares (allocated if not kept yet) and the counts: what the top-k centroid selection
+        reads (``StoreGroup.key_stats``)."""
+        self._keep_keys()
+        return self.sum, self.sq, self.count
+
     def add(self, bhs: torch.Tensor, keys: torch.Tensor, sign: int = 1, counts_only: bool = False) -> None:
         """Fold ``[M, Dk]`` keys of flat ``(row, head, shard)`` ids ``bhs`` (``[M]``) in (``sign=1``) or out
         (``sign=-1``); ``counts_only`` leaves the key statistics alone (a store whose summaries nobody reads yet)."""
