@@ -33,7 +33,7 @@ ARG_TYPES: dict[str, dict[str, str]] = {
                          "start_ptr", "cap_ptr", "count_ptr", "slot_ptr"), _I64),
         **dict.fromkeys(("key_ptr", "value_ptr", "key_pool_ptr", "value_pool_ptr", "bias_pool_ptr"), _BF16),
         **dict.fromkeys(("sum_ptr", "sq_ptr", "min_ptr", "max_ptr"), _F32),
-        "pos_pool_ptr": _I32, "valid_pool_ptr": "*i1", "page_shard_ptr": _I32,
+        "pos_pool_ptr": _I32, "valid_pool_ptr": "*i1", "page_shard_ptr": "*i16",
     },
     "merge._merge_kernel": dict.fromkeys(("o1_ptr", "lse1_ptr", "o2_ptr", "lse2_ptr", "o_ptr", "lse_ptr"), _F32),
     "quest._group_kernel": {"score_ptr": _F32, "n_pages_ptr": _I64, "out_ptr": _I64, "fraction": "fp32"},
@@ -42,7 +42,7 @@ ARG_TYPES: dict[str, dict[str, str]] = {
     "route_select._route_select_kernel": {"q_ptr": _BF16, "sum_ptr": _F32, "sq_ptr": _F32, "n_ptr": _I64,
                                           "score_ptr": _F32, "logit_ptr": _F32, "out_ptr": _U8, "target": "fp32",
                                           "scale": "fp32"},
-    "routed_plan._routed_plan_kernel": {"chosen_ptr": _U8, "shard_ptr": _I32, **_SPECIAL, "pages_ptr": _I64,
+    "routed_plan._routed_plan_kernel": {"chosen_ptr": _U8, "shard_ptr": "*i16", **_SPECIAL, "pages_ptr": _I64,
                                         "full_ptr": _U8, "used_ptr": _I32},
     "place_key._place_key_kernel": {"k_ptr": _F32, "c_ptr": _F32, "n_ptr": _I64, "norm_ptr": _F32, "out_ptr": _I64},
 }  # fmt: skip

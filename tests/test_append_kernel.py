@@ -16,6 +16,7 @@ from pikv_hf.kernels import append
 from pikv_hf.kernels._triton import interpreted
 from pikv_hf.kernels.append import append_one_kernel, append_one_op, append_one_reference
 from pikv_hf.store import PagedStore
+from pikv_hf.store.paged import SHARD_DTYPE
 
 B, H, S, P, D, N = 2, 3, 4, 4, 8, 64
 
@@ -39,7 +40,7 @@ def _state(seed: int, dtype: torch.dtype = torch.float32, summary: str | None = 
         open_page=open_page, open_fill=open_fill, n_pages=n_pages, start=start,
         key_pool=torch.zeros(N, P, D, dtype=dtype), value_pool=torch.zeros(N, P, D + 2, dtype=dtype),
         pos_pool=torch.full((N, P), -1, dtype=torch.int32), valid_pool=torch.zeros(N, P, dtype=torch.bool),
-        bias_pool=torch.full((N, P), float("-inf"), dtype=dtype), page_shard=torch.full((N,), -1, dtype=torch.int32),
+        bias_pool=torch.full((N, P), float("-inf"), dtype=dtype), page_shard=torch.full((N,), -1, dtype=SHARD_DTYPE),
         count=torch.randint(0, 9, (B, H, S), generator=g), key_sum=stats[0], key_sq=stats[1], key_min=stats[2],
         key_max=stats[3],
     )  # fmt: skip

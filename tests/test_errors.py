@@ -25,6 +25,7 @@ def _unchanged(cache, snap):
         (dict(router="nearest"), "router must be one of round_robin, hash, expert, key_cluster; got 'nearest'"),
         (dict(num_shards=0), "num_shards must be an integer >= 1, got 0"),
         (dict(num_shards=2.5), "num_shards must be an integer >= 1"),
+        (dict(num_shards=32768), "num_shards must be at most 32767 \\(a page's shard id is int16\\), got 32768"),
         (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
         (dict(shard_groups=9, num_shards=4), "shard_groups must be an integer in \\[1, num_shards=4\\]"),
     ],

@@ -14,6 +14,7 @@ from pikv_hf.kernels import place_key as place_mod
 from pikv_hf.kernels import route_select as select_mod
 from pikv_hf.kernels import routed_plan as plan_mod
 from pikv_hf.kernels._triton import interpreted
+from pikv_hf.store.paged import SHARD_DTYPE
 from pikv_hf.store.special import EMPTY
 from pikv_hf.store.summary import ShardStats
 
@@ -93,7 +94,7 @@ def _plan_case(b, h, s, w, seed, page_size=1, entries=8):
     on the page of the one before it (entries matched in several chunks, pages held by several entries)."""
     gen = torch.Generator().manual_seed(seed)
     chosen = torch.rand(b, h, s, generator=gen) < 0.3
-    shard = torch.randint(-1, s, (b, h, w), generator=gen, dtype=torch.int32)
+    shard = torch.randint(-1, s, (b, h, w), generator=gen, dtype=SHARD_DTYPE)
     start = torch.randint(0, 50, (b, h), generator=gen) + torch.arange(b * h).view(b, h) * (w + 50)
     local = torch.randint(0, max(w, 1), (b, h, entries), generator=gen)
     local[..., 9::2] = local[..., 8:-1:2]

@@ -68,7 +68,7 @@ def _append_one_kernel(
     tl.store(pos_pool_ptr + slot, pos.to(tl.int32))
     tl.store(valid_pool_ptr + slot, 1)
     tl.store(bias_pool_ptr + slot, 0.0)
-    tl.store(page_shard_ptr + slot // P, s.to(tl.int32))
+    tl.store(page_shard_ptr + slot // P, s.to(page_shard_ptr.dtype.element_ty))
     tl.store(count_ptr + at, tl.load(count_ptr + at) + 1)
     dk = tl.arange(0, BLOCK_DK)
     mk = dk < DK

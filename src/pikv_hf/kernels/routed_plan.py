@@ -19,7 +19,7 @@ value back to the host.
 
 Eager code on the CPU, where nothing needs to stay on a device, takes :func:`routed_plan_trimmed` instead: the same
 plan built no wider than its longest row (the width read back once), in about half the reference's time at 8k
-tokens in pages of one (fewer passes over the frame: the shard lookup indexes with the stored int32 ids, and the
+tokens in pages of one (fewer passes over the frame: the shard lookup indexes with the stored int16 ids, and the
 compaction writes only the entries in use).
 """
 
@@ -215,7 +215,7 @@ def routed_plan_trimmed(
     w = shard.shape[-1]
     # each (row, head)'s chosen row, an unused page (shard -1) reading the False column in front of it
     table = F.pad(chosen, (1, 0)).view(-1)
-    ahead = torch.arange(1, b * h * (s + 1), s + 1, dtype=shard.dtype, device=shard.device).view(b * h, 1)
+    ahead = torch.arange(1, b * h * (s + 1), s + 1, dtype=torch.int32, device=shard.device).view(b * h, 1)
     full = table.index_select(0, (shard.reshape(b * h, w) + ahead).view(-1)).view(b * h, w)
     special = special_page_mask(slots, spos, reach, qpos.reshape(1), start, w, page_size).view(b * h, w)
     need = full | special if page_size > 1 else full.logical_or_(special)

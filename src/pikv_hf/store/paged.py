@@ -12,8 +12,8 @@ last_access   int32     position of the latest query that hit the slot (its own 
 hits          int32     queries that gave it more than a uniform share of their mass
 ============  ========  ==========================================================================
 
-(the three statistics only with ``track_stats``) and per page ``shard`` (int32, -1 unused) and, once Quest reads
-are asked for, ``key_min`` / ``key_max``.
+(the three statistics only with ``track_stats``) and per page ``shard`` (int16, -1 unused: at most ``MAX_SHARDS``
+shards) and, once Quest reads are asked for, ``key_min`` / ``key_max``.
 
 The *frame* of the store is ``[B, H, W * P]``: the pages ``0 .. W - 1`` of every run (``PageTable.width``). While
 runs are uniform a field's frame is a view of the pool; after ragged eviction it is a gather.
@@ -34,10 +34,12 @@ from pikv_hf.store.special import SpecialSlots
 from pikv_hf.store.summary import ShardStats
 from pikv_hf.store.table import PageTable
 
+SHARD_DTYPE = torch.int16  # a page's shard id: 2 bytes a page (a routed page of one token holds one token)
+MAX_SHARDS = torch.iinfo(SHARD_DTYPE).max
 _META_FIELDS = {
     "pos": FieldSpec((), torch.int32, -1),
     "valid": FieldSpec((), torch.bool, False),
-    "shard": FieldSpec((), torch.int32, -1, per_page=True),
+    "shard": FieldSpec((), SHARD_DTYPE, -1, per_page=True),
 }
 _STAT_SPECS = {
     "attn_mass": FieldSpec((), torch.float32),
@@ -263,7 +265,7 @@ class PagedStore:
         self.pool.write("pos", flat, pos)
         self.pool.flat("valid").index_fill_(0, flat, True)
         self.pool.flat("bias").index_fill_(0, flat, 0.0)
-        self.pool["shard"].index_copy_(0, flat.div(self.page_size, rounding_mode="floor"), sh.to(torch.int32))
+        self.pool["shard"].index_copy_(0, flat.div(self.page_size, rounding_mode="floor"), sh.to(SHARD_DTYPE))
         self.stats.add(bhs, k, counts_only=not self._summarised)
         self._write_tokens(flat, k, v, pos, kv_written=False)
         if q > 1:  # a chunk (or tokens moved in from another store) may hold sinks: found again when next asked
@@ -367,8 +369,8 @@ class PagedStore:
         n_pages = r.n_pages.sum(-1)
         total = t.set_caps(n_pages.clamp(min=self._reserved))
         page = (t.start.unsqueeze(-1) + r.local)[r.ok]
-        shard_of_page = torch.full((total,), -1, dtype=torch.int32, device=self.device)
-        shard_of_page.index_copy_(0, page, r.shard[r.ok].to(torch.int32))
+        shard_of_page = torch.full((total,), -1, dtype=SHARD_DTYPE, device=self.device)
+        shard_of_page.index_copy_(0, page, r.shard[r.ok].to(SHARD_DTYPE))
         src_of_slot = torch.full((total * p,), -1, dtype=torch.int64, device=self.device)
         src_of_slot[page * p + (r.rank % p)[r.ok]] = r.src
         bounds = self.page_bounds_kept
