@@ -5,6 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pikv_hf.store import PagedStore
+from pikv_hf.store.paged import MAX_SHARDS
 
 
 def reference_slots(shards: list[list[int]], page_size: int) -> list[int]:
@@ -333,6 +334,18 @@ def test_long_append_with_many_shards_builds_no_token_by_shard_tensor():
         store.append(k, k, shard, torch.arange(q))
     assert probe.largest <= store.pool["keys"].numel() + s * d * h  # pool pages (with headroom) or shard sums
     assert probe.largest < b * h * q * s
+
+
+def test_shard_ids_hold_every_shard_of_a_store_up_to_the_bound():
+    """A page's shard id is int16: the largest shard id of a store at the bound comes back as stored, one more shard
+    is refused before anything is allocated (its id would wrap)."""
+    top = MAX_SHARDS
+    store = _store(1, 1, 4, 4, top, 1)
+    store.append(torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4), torch.tensor([[[top - 1, 0]]]), torch.arange(2))
+    by_pos = dict(zip(store.frame("pos")[0, 0].tolist(), store.frame("shard")[0, 0].tolist(), strict=True))
+    assert by_pos[0] == top - 1 and by_pos[1] == 0
+    with pytest.raises(ValueError, match=f"num_shards must be at most {top} \\(a page's shard id is int16\\)"):
+        _store(1, 1, 4, 4, top + 1, 1)
 
 
 def test_page_bounds_fold_operator_equals_the_bounds_of_each_page_and_passes_opcheck():

@@ -34,7 +34,7 @@ from pikv_hf.read import ReadStats
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
 from pikv_hf.routing.expert import decoder_layers, num_experts_of
 from pikv_hf.static_layer import StaticPiKVLayer
-from pikv_hf.store.paged import MAX_SHARDS
+from pikv_hf.store.paged import check_num_shards
 
 DEFAULT_DENSE_SHARDS = 8
 
@@ -140,9 +140,7 @@ class PiKVCache(ForwardAwareCache):
         num_experts = num_experts_of(text_config)
         if num_shards is None:
             num_shards = num_experts or DEFAULT_DENSE_SHARDS
-        check_int_at_least("num_shards", num_shards, 1)
-        if num_shards > MAX_SHARDS:
-            raise ValueError(f"num_shards must be at most {MAX_SHARDS} (a page's shard id is int16), got {num_shards}")
+        check_num_shards(num_shards)
         check_int_at_least("page_size", page_size, 1)
         if max_cache_len is not None:
             check_int_at_least("max_cache_len", max_cache_len, 1)

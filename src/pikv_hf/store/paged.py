@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.codecs import Codec, IdentityCodec
 from pikv_hf.kernels.append import append_one
 from pikv_hf.routing.base import ShardSummary
@@ -36,6 +37,16 @@ from pikv_hf.store.table import PageTable
 
 SHARD_DTYPE = torch.int16  # a page's shard id: 2 bytes a page (a routed page of one token holds one token)
 MAX_SHARDS = torch.iinfo(SHARD_DTYPE).max
+
+
+def check_num_shards(num_shards: object) -> None:
+    """``ValueError`` naming ``num_shards`` unless it is an integer in ``[1, MAX_SHARDS]`` (a page's shard id is
+    ``SHARD_DTYPE``: a larger id would wrap)."""
+    check_int_at_least("num_shards", num_shards, 1)
+    if num_shards > MAX_SHARDS:
+        raise ValueError(f"num_shards must be at most {MAX_SHARDS} (a page's shard id is int16), got {num_shards}")
+
+
 _META_FIELDS = {
     "pos": FieldSpec((), torch.int32, -1),
     "valid": FieldSpec((), torch.bool, False),
@@ -84,6 +95,7 @@ class PagedStore:
         track_stats: bool = False,
         storage: str | None = None,
     ) -> None:
+        check_num_shards(num_shards)
         self.k_dim, self.v_dim, self.dtype, self.device = int(k_dim), int(v_dim), dtype, device
         self.num_shards, self.page_size = int(num_shards), int(page_size)
         self.codec = codec or IdentityCodec()
