@@ -5,6 +5,12 @@ host issuing them (``../shared/GPU.md``: a routed step launched 3.9x DynamicCach
 that cost on the CPU, where it is deterministic: the shapes of a decode step do not depend on the data, so the count
 is the same on every run and machine.
 
+Two paths are counted, each way side by side with DynamicCache: ``cpu``, the step as it runs on this CPU (the torch
+attention backend), and ``cuda``, the step a CUDA device runs: the Triton backend selected, so every kernel launch of
+the CUDA step is one operator here (the custom operators run their CPU implementations under the counter, each
+counted as its one launch; a ratio of the H100 profile at 7c04f95, routed 1.28x / Quest 1.33x DynamicCache's kernels
+at 8 layers, was counted 1.29x / 1.37x this way at that commit).
+
 What is counted: the aten operators one decode step dispatches, seen by a ``TorchDispatchMode`` (below autograd,
 after composite operators decomposed: what reaches a device's kernels), less those that launch no kernel on a GPU:
 views (``OpOverload.is_view`` and ``_unsafe_view`` / ``_reshape_alias``) and bare allocations (``empty``,
@@ -38,6 +44,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 WAYS = ["dynamic", "exact", "routed", "quest_1_8", "quant4", "quest_quant4", "h2o_offload_routed"]
 # ratio to DynamicCache's count each way should stay under (issue 31, item 4)
 GOALS = {"exact": 1.2, "routed": 1.6, "quest_1_8": 1.6, "quant4": 1.4, "quest_quant4": 1.6}
+# the attention backend of each counted path: this CPU's torch path, and the Triton path of a step on CUDA
+PATHS = {"cpu": "auto", "cuda": "triton"}
 
 
 SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -79,10 +87,11 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_way(model, way: str, ids: torch.Tensor, warmup: int = 2) -> OpCounter:
-    """Operators of one decode step of ``way`` after a prefill of ``ids`` (``[B, T]``) and ``warmup`` steps."""
+def count_way(model, way: str, ids: torch.Tensor, warmup: int = 2, path: str = "cpu") -> OpCounter:
+    """Operators of one decode step of ``way`` after a prefill of ``ids`` (``[B, T]``) and ``warmup`` steps, on
+    ``path`` (a key of ``PATHS``)."""
     mode = MODES[way]
-    cache = mode.build(model, sparse_from=0)
+    cache = mode.build(model, sparse_from=0, attention_backend=PATHS[path])
     with torch.no_grad():
         with contextlib.ExitStack() as stack:
             for press in mode.presses():
@@ -96,9 +105,11 @@ def count_way(model, way: str, ids: torch.Tensor, warmup: int = 2) -> OpCounter:
     return counter
 
 
-def count_all(model, ids: torch.Tensor, ways: list[str], warmup: int = 2) -> dict[str, OpCounter]:
-    """``count_way`` of every way of ``ways`` (DynamicCache's always included, first)."""
-    return {way: count_way(model, way, ids, warmup) for way in ["dynamic", *[w for w in ways if w != "dynamic"]]}
+def count_all(model, ids: torch.Tensor, ways: list[str], warmup: int = 2, path: str = "cpu") -> dict[str, OpCounter]:
+    """``count_way`` of every way of ``ways`` on ``path`` (DynamicCache's always included, first)."""
+    return {
+        way: count_way(model, way, ids, warmup, path) for way in ["dynamic", *[w for w in ways if w != "dynamic"]]
+    }
 
 
 def main() -> None:
@@ -107,40 +118,44 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS)
+    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     parser.add_argument("--top", type=int, default=15, help="operators listed per way, most frequent first")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/ops_per_step_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = llama(args.layers)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=torch.Generator().manual_seed(0))
-    counts = count_all(model, ids, args.ways, args.warmup)
-    base = sum(counts["dynamic"].counts.values())
-    ways = {}
-    for way, c in counts.items():
-        n = sum(c.counts.values())
-        ways[way] = {
-            "ops_per_step": n,
-            "host_reads_per_step": c.host_reads,
-            "dispatched_per_step": c.dispatched,
-            "ratio_to_dynamic": round(n / base, 3),
-            "goal": GOALS.get(way),
-            "met": None if way not in GOALS else n / base <= GOALS[way],
-            "top_ops": c.counts.most_common(args.top),
-        }
-        print(
-            f"{way:>14}: {n:6d} ops per step, {n / base:.2f}x DynamicCache (goal {GOALS.get(way)}), "
-            f"{c.host_reads} host reads",
-            flush=True,
-        )
+    paths = {}
+    for path in args.paths:
+        counts = count_all(model, ids, args.ways, args.warmup, path)
+        base = sum(counts["dynamic"].counts.values())
+        ways = paths[path] = {}
+        for way, c in counts.items():
+            n = sum(c.counts.values())
+            ways[way] = {
+                "ops_per_step": n,
+                "host_reads_per_step": c.host_reads,
+                "dispatched_per_step": c.dispatched,
+                "ratio_to_dynamic": round(n / base, 3),
+                "goal": GOALS.get(way),
+                "met": None if way not in GOALS else n / base <= GOALS[way],
+                "top_ops": c.counts.most_common(args.top),
+            }
+            print(
+                f"{path} {way:>18}: {n:6d} ops per step, {n / base:.2f}x DynamicCache (goal {GOALS.get(way)}), "
+                f"{c.host_reads} host reads",
+                flush=True,
+            )
     result = {
         **run_metadata(1),
-        "what": "aten operators one eager decode step dispatches (views, allocations and host reads apart), CPU",
+        "what": "aten operators one eager decode step dispatches (views, allocations and host reads apart) on the "
+        "CPU's torch path and on the Triton path of a CUDA step (one operator per kernel launch)",
         "model": {"shape": "SmolLM2-135M", "layers": args.layers, "dtype": "float32", "weights": "random"},
         "context": args.context,
         "batch": 1,
         "warmup_steps": args.warmup,
         "sparse_from": 0,
-        "ways": ways,
+        "paths": {path: {"attention_backend": PATHS[path], "ways": ways} for path, ways in paths.items()},
     }
     write_result(args.out, result)
 

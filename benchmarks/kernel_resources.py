@@ -121,9 +121,9 @@ def split_kernels(tiles: list[int]) -> list[dict]:
          decode._CAPPED, dense_slot + 8 / 16),
         ("dense, pages of 1", decode._split_kernel, None, common | dict(PAGE=1, BITS=0, TABLE=1), decode._CONFIGS,
          decode._CAPPED, dense_slot + 8),
-        ("4-bit, dequantised", decode._split_kernel, CODES, common | dict(PAGE=64, BITS=4, TABLE=0),
+        ("4-bit, dequantised", decode._split_kernel, CODES, common | dict(PAGE=64, BITS=4, TABLE=1),
          decode._CONFIGS, decode._CAPPED, quant_slot),
-        ("4-bit, codes dotted", decode_quant._split_q4_kernel, None, common | dict(PAGE=64),
+        ("4-bit, codes dotted", decode_quant._split_q4_kernel, None, common | dict(PAGE=64, TABLE=1),
          decode_quant._Q4_CONFIGS, decode_quant._Q4_CAPPED, quant_slot),
     ]  # fmt: skip
     rows = []

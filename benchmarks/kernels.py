@@ -388,7 +388,7 @@ def quest_selection(args, ms, peak: float, tokens: int, batch: int, page: int = 
         out["scores"][str(dtype).removeprefix("torch.")] = row
     score = scores()
 
-    def select() -> torch.Tensor:
+    def select() -> tuple[torch.Tensor, torch.Tensor]:
         return quest.select(score, n_pages, fraction, width)
 
     out["select_ms"] = ms(select)

@@ -21,9 +21,16 @@ from pikv_hf.store.paged import SHARD_DTYPE
 B, H, S, P, D, N = 2, 3, 4, 4, 8, 64
 
 
-def _state(seed: int, dtype: torch.dtype = torch.float32, summary: str | None = "bounds") -> dict:
+def _state(
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    summary: str | None = "bounds",
+    page_bounds: torch.dtype | None = None,
+) -> dict:
     """Page-table state with some open pages partly filled, some full, some absent, and empty pools; shard key
-    statistics: ``"bounds"`` sums, squares, min and max, ``"sums"`` sums and squares only, None none."""
+    statistics: ``"bounds"`` sums, squares, min and max, ``"sums"`` sums and squares only, None none; Quest's page
+    key bounds in ``page_bounds`` (None: none kept), some pages' already set; a ring of recent tokens (2 sinks and a
+    window of 5, entries set)."""
     g = torch.Generator().manual_seed(seed)
     n_pages = torch.randint(1, 4, (B, H), generator=g)
     open_page = torch.randint(-1, 3, (B, H, S), generator=g)
@@ -36,38 +43,46 @@ def _state(seed: int, dtype: torch.dtype = torch.float32, summary: str | None = 
     )  # fmt: skip
     if summary == "sums":
         stats = (*stats[:2], None, None)
+    low = high = None
+    if page_bounds is not None:
+        low = torch.full((N, D), float("inf")).masked_scatter_(torch.arange(N).unsqueeze(-1) % 3 == 0,
+                                                                torch.randn(N, D, generator=g)).to(page_bounds)
+        high = torch.full((N, D), float("-inf")).masked_scatter_(torch.arange(N).unsqueeze(-1) % 3 == 0,
+                                                                  torch.randn(N, D, generator=g)).to(page_bounds)
     return dict(
         open_page=open_page, open_fill=open_fill, n_pages=n_pages, start=start,
         key_pool=torch.zeros(N, P, D, dtype=dtype), value_pool=torch.zeros(N, P, D + 2, dtype=dtype),
         pos_pool=torch.full((N, P), -1, dtype=torch.int32), valid_pool=torch.zeros(N, P, dtype=torch.bool),
         bias_pool=torch.full((N, P), float("-inf"), dtype=dtype), page_shard=torch.full((N,), -1, dtype=SHARD_DTYPE),
         count=torch.randint(0, 9, (B, H, S), generator=g), key_sum=stats[0], key_sq=stats[1], key_min=stats[2],
-        key_max=stats[3],
+        key_max=stats[3], page_min=low, page_max=high, ring_slots=torch.randint(-1, N * P, (B, H, 7), generator=g),
+        ring_pos=torch.randint(-1, 3, (B, H, 7), generator=g),
     )  # fmt: skip
 
 
-def _call(fn, st: dict, shard, row_start, pos: int, cap, key, value, write_kv: bool) -> torch.Tensor:
+def _call(fn, st: dict, shard, row_start, pos: int, cap, key, value, write_kv: bool, ring: bool = False):
     return fn(
         st["open_page"], st["open_fill"], st["n_pages"], st["start"], cap, shard, row_start,
         torch.tensor([pos], device=st["start"].device), key, value, st["key_pool"] if write_kv else None,
         st["value_pool"] if write_kv else None, st["pos_pool"], st["valid_pool"], st["bias_pool"], st["page_shard"],
-        st["count"], st["key_sum"], st["key_sq"], st["key_min"], st["key_max"],
+        st["count"], st["key_sum"], st["key_sq"], st["key_min"], st["key_max"], st["page_min"], st["page_max"],
+        *((st["ring_slots"], st["ring_pos"], 2, 5) if ring else ()),
     )  # fmt: skip
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or interpreted(append._append_one_kernel)), reason="no Triton")
 @pytest.mark.parametrize(
-    "placed, padded, saturate, write_kv, summary, dtype",
+    "placed, padded, saturate, write_kv, summary, dtype, page_bounds",
     [
-        (True, False, False, True, "bounds", torch.float32),
-        (False, False, False, True, None, torch.float32),
-        (False, True, False, True, None, torch.bfloat16),
-        (True, False, True, False, "bounds", torch.float32),
-        (False, True, True, True, "bounds", torch.float16),
-        (True, True, False, True, "sums", torch.bfloat16),
+        (True, False, False, True, "bounds", torch.float32, None),
+        (False, False, False, True, None, torch.float32, torch.float32),
+        (False, True, False, True, None, torch.bfloat16, torch.bfloat16),  # Quest's bounds in the keys' dtype
+        (True, False, True, False, "bounds", torch.float32, torch.float32),
+        (False, True, True, True, "bounds", torch.float16, None),
+        (True, True, False, True, "sums", torch.bfloat16, torch.float32),  # float32 bounds of bfloat16 keys
     ],
 )
-def test_kernel_matches_reference(placed, padded, saturate, write_kv, summary, dtype):
+def test_kernel_matches_reference(placed, padded, saturate, write_kv, summary, dtype, page_bounds):
     g = torch.Generator().manual_seed(1)
     shard = torch.randint(0, S, (B, H), generator=g) if placed else None
     row_start = torch.tensor([0, 5]) if padded else None
@@ -75,22 +90,40 @@ def test_kernel_matches_reference(placed, padded, saturate, write_kv, summary, d
     # keys as the model hands them: a transposed view ([B, q, H, D] storage)
     key = torch.randn(B, 1, H, D, generator=g).to(dtype).transpose(1, 2)[:, :, 0]
     value = torch.randn(B, H, D + 2, generator=g).to(dtype)
-    ref = _state(2, dtype, summary)
-    got = {name: None if t is None else t.to(DEVICE) for name, t in _state(2, dtype, summary).items()}
+    ref = _state(2, dtype, summary, page_bounds)
+    got = {name: None if t is None else t.to(DEVICE) for name, t in _state(2, dtype, summary, page_bounds).items()}
 
     def dev(t):
         return None if t is None else t.to(DEVICE)
 
+    ring = page_bounds is not None  # the ring of recent tokens written too
     for step, pos in enumerate((3, 9, 10)):
         s = None if shard is None else (shard + step) % S
-        want = _call(append_one_reference, ref, s, row_start, pos, cap, key, value, write_kv)
-        slot = _call(append_one_kernel, got, dev(s), dev(row_start), pos, dev(cap), dev(key), dev(value), write_kv)
+        want = _call(append_one_reference, ref, s, row_start, pos, cap, key, value, write_kv, ring)
+        slot = _call(append_one_kernel, got, dev(s), dev(row_start), pos, dev(cap), dev(key), dev(value), write_kv,
+                     ring)  # fmt: skip
         assert torch.equal(slot.cpu(), want)
         for name, t in ref.items():
             if t is not None:  # squares may be fused into an FMA on CUDA: one rounding apart
                 tol = 1e-6 if name == "key_sq" else 0
                 torch.testing.assert_close(got[name].cpu(), t, rtol=tol, atol=tol, msg=f"{name} after step {step}")
     assert bool(ref["valid_pool"].any()) and int(ref["valid_pool"].sum()) <= 3 * B * H
+    before = _state(2, dtype, summary, page_bounds)
+    if ring:  # entry 2 + pos % 5 of every (row, head): its slot at pos 10 (and 9, 3 before it); the others as before
+        entries = {2 + 10 % 5: (slot, 10), 2 + 9 % 5: (None, 9), 2 + 3 % 5: (None, 3)}
+        for e in range(7):
+            if e in entries:
+                assert bool((ref["ring_pos"][..., e] == entries[e][1]).all())
+            else:
+                assert torch.equal(ref["ring_pos"][..., e], before["ring_pos"][..., e])
+        assert torch.equal(ref["ring_slots"][..., 2], slot.cpu())
+    if page_bounds is not None:  # the bounds of every page written: those set before, widened by its new keys
+        pages = ref["valid_pool"].any(-1)
+        assert bool(pages.any()) and not torch.equal(ref["page_min"][pages], before["page_min"][pages])
+        keys = ref["key_pool"] if write_kv else None
+        if keys is not None:
+            kb = keys.to(page_bounds).masked_fill(~ref["valid_pool"].unsqueeze(-1), float("inf"))
+            assert torch.equal(ref["page_min"][pages], torch.minimum(before["page_min"], kb.amin(1))[pages])
 
 
 def _stores(num_shards: int, page_size: int) -> tuple[PagedStore, PagedStore]:
@@ -178,12 +211,12 @@ def test_append_one_room_is_counted_on_the_host():
 
 def test_operator_registration():
     """Schema (mutated arguments), fake implementation and dispatch of ``torch.ops.pikv.append_one``."""
-    st = _state(3)
+    st = _state(3, page_bounds=torch.float32)
     args = (
         st["open_page"], st["open_fill"], st["n_pages"], st["start"], None, torch.zeros(B, H, dtype=torch.int64),
         None, torch.tensor([7]), torch.randn(B, H, D), torch.randn(B, H, D + 2), st["key_pool"], st["value_pool"],
         st["pos_pool"], st["valid_pool"], st["bias_pool"], st["page_shard"], st["count"], st["key_sum"],
-        st["key_sq"], st["key_min"], st["key_max"],
+        st["key_sq"], st["key_min"], st["key_max"], st["page_min"], st["page_max"],
     )  # fmt: skip
     torch.library.opcheck(append_one_op, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -194,6 +227,7 @@ from pikv_hf.kernels import append
 for flags in ((True, False, False, True, True, True), (False, True, True, False, False, False),
               (True, True, False, True, True, False)):  # fmt: skip
     const = dict(zip(("HAS_SHARD", "HAS_ROW_START", "SATURATE", "WRITE_KV", "SUMMARY", "BOUNDS"), flags))
+    const["PAGE_BOUNDS"] = const["RING"] = not flags[-1]
     const |= dict(BLOCK_DK=128, BLOCK_DV=128)
     compile_sm90(append._append_one_kernel, const, num_warps=1)
     print("ok")

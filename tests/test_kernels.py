@@ -199,13 +199,12 @@ def test_lengths_bound_the_table_rows_and_attended_counts_the_last_query():
     lengths = (case.table >= 0).sum(-1)  # runs fill their rows from the front
     cut = lengths.clone()
     cut[0, 1] -= 2  # row 0, head 1 reads two pages fewer
-    attended = torch.empty(len(PADS), H, dtype=torch.int64, device=DEVICE)
     args = (case.query, case.keys, case.values, case.pos, case.valid, case.table, case.qpos, 0.125)
-    full = decode_attention(*args, lengths=lengths, attended=attended, num_splits=4)
+    *full, attended = decode_attention(*args, lengths=lengths, count=True, num_splits=4)
     _assert_close(full, _dense(case, case.stored, 0.125), 1e-5)
     assert torch.equal(attended.cpu(), case.stored.sum(-1))  # every stored token is before the last query
     early = replace(case, qpos=case.qpos - 20)  # queries that precede the last 20 stored positions
-    got = decode_attention(*args[:6], early.qpos, 0.125, lengths=lengths, attended=attended, num_splits=4)
+    *got, attended = decode_attention(*args[:6], early.qpos, 0.125, lengths=lengths, count=True, num_splits=4)
     _assert_close(got, _dense(early, case.stored, 0.125), 1e-5)
     assert torch.equal(attended.cpu(), case.stored[..., : T - 20].sum(-1))
     short = decode_attention(*args, lengths=cut, num_splits=4)
@@ -214,7 +213,7 @@ def test_lengths_bound_the_table_rows_and_attended_counts_the_last_query():
     keep[0, 1, case.pos.cpu()[dropped][case.valid.cpu()[dropped]].long()] = False
     _assert_close(short, _dense(case, keep, 0.125), 1e-5)
     plan = dict(page_full=case.sparse_full, n_sink=N_SINK, window=WINDOW, row_start=case.row_start)
-    decode_attention(*args[:5], case.sparse, case.qpos, 0.125, attended=attended, sliding_window=30, **plan)
+    _, _, attended = decode_attention(*args[:5], case.sparse, case.qpos, 0.125, count=True, sliding_window=30, **plan)
     recent = torch.arange(T) > case.qpos[-1].item() - 30
     assert torch.equal(attended.cpu(), (case.selected & recent).sum(-1))
 
@@ -395,36 +394,43 @@ def test_split_kernel_compiles_for_sm90_without_a_gpu():
     assert sorted(capped) == ["capped-128", "capped-64"] and max(capped.values()) <= 128  # maxnreg holds
 
 
+def as_runs(case):
+    """``case``'s pool laid out as ``PageTable`` runs (each (row, head)'s pages back to back): the pool pages in run
+    order (``[N']`` ids into ``case``'s pool), each run's first page and length (``[B, H]``), ``case.table`` and
+    ``case.sparse`` as local ids of the runs (``-1`` kept)."""
+    b, h, n = case.table.shape
+    table = case.table.cpu()
+    lengths = (table >= 0).sum(-1)
+    order = torch.cat([row[: int(k)] for row, k in zip(table.view(b * h, n), lengths.view(-1), strict=True)])
+    run_start = (lengths.view(-1).cumsum(0) - lengths.view(-1)).view(b, h)
+    local_of = {g: i for row in table.view(b * h, n) for i, g in enumerate(row[row >= 0].tolist())}
+    sparse = case.sparse.cpu().clone().apply_(lambda g: local_of[g] if g >= 0 else -1).to(DEVICE)
+    local = torch.arange(n, device=DEVICE).expand(b, h, n).where(case.table >= 0, -1).contiguous()
+    return order.to(DEVICE), run_start.to(DEVICE), lengths.to(DEVICE), local, sparse
+
+
 def test_runs_read_by_local_ids_and_without_a_table_equal_the_global_table():
     """A pool laid out as ``PageTable`` runs (each (row, head)'s pages back to back from ``run_start``): the kernel
     reading the plan's local ids, or each run's first ``lengths`` pages with no table at all, gives what the same
     read through global ids gives, and the dense reference; ``attended`` is summed by the merge kernel."""
     case = _case(4, 64, 64, 16, torch.float32, q=2)
     b, h, n = case.table.shape
-    table = case.table.cpu()
-    lengths = (table >= 0).sum(-1)
-    order = torch.cat([row[: int(k)] for row, k in zip(table.view(b * h, n), lengths.view(-1), strict=True)])
-    run_start = (lengths.view(-1).cumsum(0) - lengths.view(-1)).view(b, h)
-    runs = replace(case, keys=case.keys[order.to(DEVICE)], values=case.values[order.to(DEVICE)],
-                   pos=case.pos[order.to(DEVICE)], valid=case.valid[order.to(DEVICE)])  # fmt: skip
-    local_of = {g: i for row in table.view(b * h, n) for i, g in enumerate(row[row >= 0].tolist())}
-    sparse = case.sparse.cpu().apply_(lambda g: local_of[g] if g >= 0 else -1).to(DEVICE)
-    run_start, lengths = run_start.to(DEVICE), lengths.to(DEVICE)
+    order, run_start, lengths, local, sparse = as_runs(case)
+    runs = replace(case, keys=case.keys[order], values=case.values[order], pos=case.pos[order],
+                   valid=case.valid[order])  # fmt: skip
     plan = dict(page_full=case.sparse_full, n_sink=N_SINK, window=WINDOW, row_start=case.row_start)
     dense = _dense(case, case.stored, 0.125)
     want_sparse = _dense(case, case.selected, 0.125)
     for splits in (1, 3):
-        counted = torch.empty(b, h, dtype=torch.int64, device=DEVICE)
         pool = (runs.query, runs.keys, runs.values, runs.pos, runs.valid)
-        frame = decode_attention(*pool, None, case.qpos, 0.125, lengths=lengths, run_start=run_start, width=n,
-                                 attended=counted, num_splits=splits)  # fmt: skip
+        *frame, counted = decode_attention(*pool, None, case.qpos, 0.125, lengths=lengths, run_start=run_start,
+                                           width=n, count=True, num_splits=splits)  # fmt: skip
         _assert_close(frame, dense, 1e-5)
         assert torch.equal(counted.cpu(), case.stored.sum(-1))
-        local = torch.arange(n, device=DEVICE).expand(b, h, n).where(case.table >= 0, -1).contiguous()
         _assert_close(decode_attention(*pool, local, case.qpos, 0.125, run_start=run_start, num_splits=splits), dense,
                       1e-5)  # fmt: skip
-        got = decode_attention(*pool, sparse, case.qpos, 0.125, run_start=run_start, attended=counted,
-                               num_splits=splits, **plan)  # fmt: skip
+        *got, counted = decode_attention(*pool, sparse, case.qpos, 0.125, run_start=run_start, count=True,
+                                         num_splits=splits, **plan)  # fmt: skip
         _assert_close(got, want_sparse, 1e-5)
         assert torch.equal(counted.cpu(), case.selected.sum(-1))
     with pytest.raises(ValueError, match="run_start, lengths and width"):

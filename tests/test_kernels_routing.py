@@ -112,8 +112,7 @@ def _plan_case(b, h, s, w, seed, page_size=1, entries=8):
 def test_routed_plan_reference_follows_the_definition():
     case = _plan_case(2, 3, 9, 50, seed=1, page_size=4)
     chosen, shard, slots, spos, _, _, start, _ = case
-    pages, full, used = plan_mod.routed_plan_reference(*case)
-    longest = 0
+    pages, full, lengths = plan_mod.routed_plan_reference(*case)
     for bi in range(2):
         for hi in range(3):
             sel = [bool(chosen[bi, hi, j]) if j >= 0 else False for j in shard[bi, hi].tolist()]
@@ -122,8 +121,7 @@ def test_routed_plan_reference_follows_the_definition():
             need = [i for i in range(50) if sel[i] or i in special]
             assert pages[bi, hi].tolist() == need + [-1] * (50 - len(need))
             assert full[bi, hi].tolist() == [sel[i] for i in need] + [False] * (50 - len(need))
-            longest = max(longest, len(need))
-    assert used.tolist() == [longest]
+            assert int(lengths[bi, hi]) == len(need)
 
 
 @pytest.mark.skipif(not _runs(plan_mod._routed_plan_kernel), reason="needs CUDA or TRITON_INTERPRET=1")
@@ -142,10 +140,10 @@ def test_routed_plan_kernel_equals_reference(b, h, s, w, p, entries):
 
 @pytest.mark.parametrize("b, h, s, w, p", [(2, 3, 9, 50, 1), (2, 3, 9, 50, 4), (1, 2, 256, 600, 1), (2, 1, 3, 0, 1)])
 def test_routed_plan_trimmed_is_the_reference_without_padding(b, h, s, w, p):
-    """The CPU's eager plan: the reference's pages and page_full cut at its ``used`` width."""
+    """The CPU's eager plan: the reference's pages and page_full cut at its longest row."""
     case = _plan_case(b, h, s, w, seed=w + p, page_size=p)
-    pages, full, used = plan_mod.routed_plan_reference(*[t.cpu() if torch.is_tensor(t) else t for t in case])
-    n = int(used)
+    pages, full, lengths = plan_mod.routed_plan_reference(*[t.cpu() if torch.is_tensor(t) else t for t in case])
+    n = int(lengths.max()) if lengths.numel() else 0
     got_pages, got_full = plan_mod.routed_plan_trimmed(*[t.cpu() if torch.is_tensor(t) else t for t in case])
     assert torch.equal(got_pages, pages[..., :n])
     assert got_full is None if p == 1 else torch.equal(got_full, full[..., :n])

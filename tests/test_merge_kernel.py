@@ -91,6 +91,7 @@ from pikv_hf.kernels import merge, quest
 
 cases = [(merge._merge_kernel, dict(BLOCK_R=16, BLOCK_D=128), 4)]
 cases += [(quest._group_kernel, dict(NS=ns, BLOCK=512), 4) for ns in (2, 4)]
+cases.append((quest._select_kernel, dict(BLOCK=2048), 4))
 cases.append((quest._scores_kernel, dict(G=4, D=128, P=16, BLOCK_W=quest._BLOCK_W, BLOCK_D=128, BLOCK_P=16,
                                          BLOCK_S=128), quest._SCORES_WARPS))
 for kernel, const, warps in cases:
@@ -101,11 +102,13 @@ for kernel, const, warps in cases:
 
 def test_kernels_compile_for_sm90_without_a_gpu():
     """The CUDA front end types what the interpreter does not check: the merge kernel, Quest's group selection kernel
-    (two and four stores) and its score kernel (an 8B model's shape: 4 query rows per KV head, head dim 128, pages of
+    (two and four stores), its selection of one store (2048 pages) and its score kernel (an 8B model's shape: 4 query rows per KV head, head dim 128, pages of
     16, 68 sink and window entries) compile for sm_90 in a subprocess without ``TRITON_INTERPRET``. The score kernel,
     launched with ``_SCORES_WARPS`` warps, holds at most 128 registers a thread without spilling (16 warps per SM;
     with 4 warps its key min / max tiles took 254, 8 warps per SM)."""
     built = [line.split() for line in run_without_interpreter(_COMPILE_SM90).splitlines()]
-    assert [name for name, _, _ in built] == ["_merge_kernel", "_group_kernel", "_group_kernel", "_scores_kernel"]
+    assert [name for name, _, _ in built] == [
+        "_merge_kernel", "_group_kernel", "_group_kernel", "_select_kernel", "_scores_kernel"
+    ]
     _, regs, stack = built[-1]
     assert int(regs) <= 128 and int(stack) == 0, f"quest scores: {regs} registers, {stack} bytes of stack a thread"

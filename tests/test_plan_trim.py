@@ -1,8 +1,7 @@
-"""The CPU torch path reads a routed plan built no wider than it is used (eager) or trims a wide one to the entries
-its operator counted in use (``ReadPlan.used``, no operator and one value read back), and reads the same as the
-untrimmed plan; a Quest plan of
-one store, as wide as its budget, carries no count and is read as planned; Quest's plans over a store group (a 4-bit
-tier beside the hot store), as wide as each frame, carry their count."""
+"""The CPU torch path reads a routed plan built no wider than it is used (eager) or trims a wide one to the longest
+row its operator counted (``ReadPlan.lengths``: one operator and one value read back), and reads the same as the
+untrimmed plan; a Quest plan of one store, as wide as its budget, is read as planned; Quest's plans over a store group
+(a 4-bit tier beside the hot store), as wide as each frame, carry their counts and are trimmed."""
 
 from __future__ import annotations
 
@@ -59,33 +58,34 @@ def test_routed_plan_is_built_trimmed_and_reads_as_the_wide_plan(monkeypatch, pa
         page_size=page_size,
     )  # fmt: skip
     used, width = plan.pages.shape[-1], store.table.width()
-    assert plan.used is None and 0 < used < width // 2
+    assert plan.lengths is None and 0 < used < width // 2
     assert int((plan.pages >= 0).sum(-1).max()) == used  # no column of padding only
     pad = (0, width - used)
     wide = dataclasses.replace(
         plan,
         pages=torch.nn.functional.pad(plan.pages, pad, value=-1),
         page_full=None if plan.page_full is None else torch.nn.functional.pad(plan.page_full, pad, value=False),
-        used=torch.tensor([used], dtype=torch.int32),
+        lengths=(plan.pages >= 0).sum(-1, dtype=torch.int32),
     )
     with count_ops.OpCounter() as counter:
         cut = trimmed(wide)
-    assert sum(counter.counts.values()) == 0 and counter.host_reads == 1
+    assert sum(counter.counts.values()) == 1 and counter.host_reads == 1
     assert torch.equal(cut.pages, plan.pages)
     if page_size > 1:
         assert torch.equal(cut.page_full, plan.page_full)
     short = TorchBackend.attend(backend, query, store, plan, *args, **kw)
-    whole = TorchBackend.attend(backend, query, store, dataclasses.replace(wide, used=None), *args, **kw)
+    whole = TorchBackend.attend(backend, query, store, dataclasses.replace(wide, lengths=None), *args, **kw)
     assert (short.o - whole.o).abs().max() < 1e-6 and (short.lse - whole.lse).abs().max() < 1e-6
     assert short.attended is None or torch.equal(short.attended, whole.attended)
 
 
 def test_quest_plan_is_read_as_planned(monkeypatch):
+    """A Quest plan of one store is as wide as its budget: its rows' counts are the pages each keeps, and the longest
+    row fills it, so the CPU path reads it as planned."""
     *_, plan, _, _ = _decode_plan(monkeypatch, attention="quest", read_fraction=0.25, page_size=4)
-    assert plan.used is None
-    with count_ops.OpCounter() as counter:
-        assert trimmed(plan) is plan
-    assert counter.dispatched == 0
+    assert torch.equal(plan.lengths, (plan.pages >= 0).sum(-1, dtype=torch.int32))
+    assert int(plan.lengths.max()) == plan.pages.shape[-1]
+    assert trimmed(plan) is plan
 
 
 def test_quest_group_plans_over_a_4bit_tier_are_trimmed_and_read_the_same(monkeypatch):
@@ -105,10 +105,11 @@ def test_quest_group_plans_over_a_4bit_tier_are_trimmed_and_read_the_same(monkey
     tier = [s for s in seen if s[2].codec.code_bits == 4 and s[3].pages is not None]
     assert len(tier) == model.config.num_hidden_layers
     for backend, query, store, plan, args, kw in tier:
-        used = int((plan.pages >= 0).sum(-1).max())
-        assert plan.used.tolist() == [used] and 0 < used < plan.pages.shape[-1] // 2
+        assert torch.equal(plan.lengths, (plan.pages >= 0).sum(-1, dtype=torch.int32))  # each row's pages first
+        used = int(plan.lengths.max())
+        assert 0 < used < plan.pages.shape[-1] // 2 and bool((plan.pages[..., used:] == -1).all())
         short = TorchBackend.attend(backend, query, store, plan, *args, **kw)
-        whole = TorchBackend.attend(backend, query, store, dataclasses.replace(plan, used=None), *args, **kw)
+        whole = TorchBackend.attend(backend, query, store, dataclasses.replace(plan, lengths=None), *args, **kw)
         assert (short.o - whole.o).abs().max() < 1e-5 and (short.lse - whole.lse).abs().max() < 1e-5
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import KERNEL_DEVICE, on_kernel_device, run_without_interpreter
-from test_kernels import N_SINK, PADS, WINDOW, H, _assert_close, _case
+from test_kernels import N_SINK, WINDOW, _assert_close, _case
 from torch._dynamo.backends.debugging import aot_eager
 
 from pikv_hf import PiKVCache
@@ -117,6 +117,35 @@ def test_4bit_kernel_equals_the_reference_on_decoded_pages_exact_and_sparse(dtyp
         _assert_close(got, want, tol)
 
 
+@pytest.mark.parametrize("bits, group", [(4, 64), (2, 16)])
+def test_quantised_runs_read_by_local_ids_and_without_a_table_equal_the_global_table(bits, group):
+    """Quantised pages laid out as ``PageTable`` runs, as ``TritonBackend`` reads a 4-bit tier: the 4-bit kernel (and
+    the generic kernel over 2-bit codes) reading the plan's local ids, or each run's first ``lengths`` pages with no
+    table at all, give what the read through global ids gives, and the reference on the decoded pages."""
+    from test_kernels import as_runs
+
+    case = _case(4, 64, 64, 16, torch.float32, q=1, seed=3)
+    quant = quantize_pages(case.keys, case.values, bits, group=group, valid=case.valid, scale_dtype=torch.float16)
+    keys, values = dequantize_pages(quant)
+    order, run_start, lengths, local, sparse = as_runs(case)
+    runs = type(quant)(*(f[order] for f in quant.fields()), bits=bits)
+    pos, valid = case.pos[order], case.valid[order]
+    plan = dict(page_full=case.sparse_full, n_sink=N_SINK, window=WINDOW, row_start=case.row_start)
+    n = case.table.shape[-1]
+    op = "paged_decode_q4" if bits == 4 else "paged_decode"
+    for table, local_table, extra in ((case.table, None, {}), (case.table, local, {}), (case.sparse, sparse, plan)):
+        args = (case.query, quant, case.pos, case.valid, table, case.qpos, 0.125)
+        want = decode_attention_reference(case.query, keys, values, *args[2:], **extra)
+        by_ids = decode_attention_quant(*args, num_splits=2, **extra)
+        extra = extra | (dict(lengths=lengths, width=n) if local_table is None else {})
+        with count_ops.OpCounter() as counter:
+            got = decode_attention_quant(case.query, runs, pos, valid, local_table, case.qpos, 0.125, num_splits=2,
+                                         check=False, run_start=run_start, **extra)  # fmt: skip
+        assert counter.counts[op] == 1 and sum(counter.counts.values()) == 1  # no table built on the host
+        _assert_close(got, by_ids, 1e-5)
+        _assert_close(got, want, 1e-5)
+
+
 def test_4bit_kernel_rows_splits_sliding_window_sinks_lengths_and_attended():
     """q = 3 tokens x 8 query heads (24 rows), 1 or 3 splits, a sliding window, GPT-OSS sinks, shortened table rows,
     the slots the last query attends, and a row that reads nothing (zero output, the sink alone)."""
@@ -128,8 +157,7 @@ def test_4bit_kernel_rows_splits_sliding_window_sinks_lengths_and_attended():
     table[2] = -1
     args = (case.query, quant, case.pos, case.valid, table, case.qpos, 0.125)
     extra = dict(sliding_window=50, sinks=sinks, lengths=lengths)
-    attended = torch.empty(len(PADS), H, dtype=torch.int64, device=KERNEL_DEVICE)
-    one = decode_attention_quant(*args, num_splits=1, attended=attended, **extra)
+    *one, attended = decode_attention_quant(*args, num_splits=1, count=True, **extra)
     three = decode_attention_quant(*args, num_splits=3, **extra)
     _assert_close(one, three, 1e-5)
     _assert_close(one, decode_attention_reference(case.query, keys, values, *args[2:], **extra), 1e-5)
@@ -152,10 +180,30 @@ def test_4bit_kernel_takes_only_the_shapes_it_is_built_for():
     _assert_close(got, decode_attention_reference(case.query, keys, values, *args[2:]), 1e-5)
 
 
+def test_4bit_operator_on_the_cpu_without_the_interpreter_runs_the_reference(monkeypatch):
+    """Without ``TRITON_INTERPRET`` (a CPU step traced or counted with the Triton backend selected) the operator's CPU
+    implementation is the torch reference on the decoded pages, for global ids and for local ids of the runs."""
+    from pikv_hf.kernels import decode_quant
+
+    monkeypatch.setattr(decode_quant, "interpreted", lambda kernel: False)
+    case, quant, keys, values = _quant_case(4, 64, 64, 16, torch.float32, 64)
+    fields = tuple(t.cpu() for t in (quant.kq, quant.vq, quant.k_scale, quant.k_zero, quant.v_scale, quant.v_zero))
+    table, pos, valid, qpos = case.table.cpu(), case.pos.cpu(), case.valid.cpu(), case.qpos.cpu()
+    want = decode_attention_reference(case.query.cpu(), keys.cpu(), values.cpu(), pos, valid, table, qpos, 0.125)
+    rest = (None, None, None, None, 0.125, 0, 0, 0, 64, 1)
+    query = case.query.cpu()
+    o, lse, attended = torch.ops.pikv.paged_decode_q4(query, *fields, pos, valid, table, qpos, *rest, None, 0)
+    _assert_close((o, lse), want, 1e-5)
+    assert torch.equal(attended, case.stored.sum(-1))
+    start = torch.zeros(table.shape[:2], dtype=torch.int64)  # runs starting at page 0: local ids are the global ones
+    local = torch.ops.pikv.paged_decode_q4(query, *fields, pos, valid, table, qpos, *rest, start, 0)
+    _assert_close(local[:2], want, 1e-5)
+
+
 def test_4bit_operator_passes_opcheck():
     case, quant, _, _ = _quant_case(4, 64, 64, 16, torch.float32, 64)
     args = (case.query, quant.kq, quant.vq, quant.k_scale, quant.k_zero, quant.v_scale, quant.v_zero, case.pos,
-            case.valid, case.table, case.qpos, None, None, None, None, 0.125, 0, 0, 0, 64, 1)  # fmt: skip
+            case.valid, case.table, case.qpos, None, None, None, None, 0.125, 0, 0, 0, 64, 1, None, 0)  # fmt: skip
     torch.library.opcheck(torch.ops.pikv.paged_decode_q4, args, test_utils=("test_schema", "test_faketensor"))
 
 
@@ -166,7 +214,7 @@ from pikv_hf.kernels import decode, decode_quant, dequant
 
 for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
     const = dict(G=4, Q=1, PAGE=page, DK=128, DV=128, BLOCK_R=16, HAS_LEN=True, HAS_FULL=True, HAS_SLIDING=True,
-                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=group, SPAN=4096, BLOCK_N=block_n)
+                 DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=group, TABLE=1, SPAN=4096, BLOCK_N=block_n)
     k = compile_sm90(decode_quant._split_q4_kernel, const, num_warps=4, num_stages=3)
     print(f"q4-{page}", k.metadata.shared)
     if page == 64:  # the autotuner's configurations capped in registers

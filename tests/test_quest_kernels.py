@@ -96,13 +96,15 @@ def _select_inputs(b=2, h=3, w=37, seed=0):
 @pytest.mark.parametrize("w, fraction, width", [(37, 0.125, 5), (37, 0.5, 19), (1, 1.0, 1), (300, 0.25, 75)])
 def test_select_kernel_equals_reference_and_a_stable_sort(w, fraction, width):
     score, n_pages = _select_inputs(w=w)
-    ref = quest._select_reference(score, n_pages, fraction, width)
-    assert torch.equal(quest._select_launch(*on_kernel_device((score, n_pages)), fraction, width).cpu(), ref)
+    ref, lengths = quest._select_reference(score, n_pages, fraction, width)
+    got = quest._select_launch(*on_kernel_device((score, n_pages)), fraction, width)
+    assert torch.equal(got[0].cpu(), ref) and torch.equal(got[1].cpu(), lengths)
     for bi, hi in [(0, 0), (0, 1), (1, 2)]:  # the reference: pages by descending score, ties to the earlier page
         ranked = sorted(range(w), key=lambda i: (-float(score[bi, hi, i]), i))
         budget = math.ceil(fraction * int(n_pages[bi, hi]))
         want = [i if k < budget and score[bi, hi, i] > -math.inf else -1 for k, i in enumerate(ranked[:width])]
         assert ref[bi, hi].tolist() == want
+        assert int(lengths[bi, hi]) == sum(i >= 0 for i in want)  # the kept pages, which lead the row
 
 
 def test_operators_dispatch_once_and_trace_with_their_fake():
@@ -110,8 +112,9 @@ def test_operators_dispatch_once_and_trace_with_their_fake():
     score = torch.ops.pikv.quest_scores(*args)
     assert torch.equal(score, quest._scores_reference(*args))  # the CPU implementation is the reference
     n_pages = torch.full(score.shape[:2], score.shape[-1])
-    pages = torch.ops.pikv.quest_select(score, n_pages, 0.125, 9)
-    assert torch.equal(pages, quest._select_reference(score, n_pages, 0.125, 9))
+    pages, lengths = torch.ops.pikv.quest_select(score, n_pages, 0.125, 9)
+    want = quest._select_reference(score, n_pages, 0.125, 9)
+    assert torch.equal(pages, want[0]) and torch.equal(lengths, want[1])
     torch.library.opcheck(torch.ops.pikv.quest_scores.default, args)
     torch.library.opcheck(torch.ops.pikv.quest_select.default, (score, n_pages, 0.125, 9))
 
@@ -119,7 +122,7 @@ def test_operators_dispatch_once_and_trace_with_their_fake():
         return torch.ops.pikv.quest_select(torch.ops.pikv.quest_scores(*a), n_pages, 0.125, 9)
 
     compiled = torch.compile(plan, fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(*args), pages)
+    assert all(torch.equal(g, w) for g, w in zip(compiled(*args), want, strict=True))
 
 
 def _group_inputs(b=2, h=3, widths=(3, 40), sizes=(1, 16), seed=0):
@@ -153,22 +156,25 @@ def _group_by_hand(scores, n_pages, sizes, fraction, bi, hi):
 )
 def test_group_select_kernel_equals_reference_and_one_budget_by_hand(widths, sizes, fraction):
     scores, n_pages, sizes = _group_inputs(widths=widths, sizes=sizes)
-    ref = quest._group_reference(scores, n_pages, sizes, fraction)
-    assert torch.equal(quest._group_launch(*on_kernel_device((scores, n_pages)), sizes, fraction).cpu(), ref)
+    ref, lengths = quest._group_reference(scores, n_pages, sizes, fraction)
+    got = quest._group_launch(*on_kernel_device((scores, n_pages)), sizes, fraction)
+    assert torch.equal(got[0].cpu(), ref) and torch.equal(got[1].cpu(), lengths)
     b, h = scores[0].shape[:2]
     plans = ref.split([b * h * w for w in widths])
     for bi in range(b):
         for hi in range(h):
             want = _group_by_hand(scores, n_pages, sizes, fraction, bi, hi)
             assert [p.view(b, h, -1)[bi, hi].tolist() for p in plans] == want
+            assert lengths[:, bi, hi].tolist() == [sum(i >= 0 for i in w) for w in want]  # taken, leading each
 
 
 def test_group_operator_dispatches_once_and_traces_with_its_fake():
     scores, n_pages, sizes = _group_inputs()
     got = torch.ops.pikv.quest_group_select(scores, n_pages, sizes, 0.125)
-    assert torch.equal(got, quest._group_reference(scores, n_pages, sizes, 0.125))
+    want = quest._group_reference(scores, n_pages, sizes, 0.125)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     torch.library.opcheck(torch.ops.pikv.quest_group_select.default, (scores, n_pages, sizes, 0.125))
     compiled = torch.compile(
         lambda s, n: torch.ops.pikv.quest_group_select(s, n, sizes, 0.125), fullgraph=True, backend="aot_eager"
     )  # fmt: skip
-    assert torch.equal(compiled(scores, n_pages), got)
+    assert all(torch.equal(g, w) for g, w in zip(compiled(scores, n_pages), got, strict=True))

@@ -365,3 +365,68 @@ def test_page_bounds_fold_operator_equals_the_bounds_of_each_page_and_passes_opc
             assert bool(kmin[p].isposinf().all()) and bool(kmax[p].isneginf().all())
     fresh = (torch.full((6, 5), float("inf")), torch.full((6, 5), float("-inf")), page, keys)
     torch.library.opcheck(bounds._fold_op, fresh)
+
+
+def _read_specials(store: PagedStore, n_sink: int, window: int, row_start: torch.Tensor, qpos: int) -> list[set]:
+    """Per (row, head), the (slot, position) pairs of the store's special slots a query at ``qpos`` reads."""
+    marks = store.special_slots(n_sink, window, row_start)
+    read = (marks.slots >= 0) & ~marks.unread(torch.tensor([qpos]))
+    return [{(int(s), int(p)) for s, p in zip(marks.slots[b, h][read[b, h]], marks.pos[b, h][read[b, h]], strict=True)}
+            for b in range(store.batch) for h in range(store.heads)]  # fmt: skip
+
+
+def _sinks_and_window(store: PagedStore, n_sink: int, window: int, row_start: torch.Tensor, qpos: int) -> list[set]:
+    """The same from the frame itself: each (row, head)'s first ``n_sink`` stored tokens counted from its row's start
+    and those at the last ``window`` positions up to ``qpos``."""
+    pos, valid, slots = store.frame("pos").long(), store.frame("valid"), store.frame_slots()
+    rel = pos - row_start.view(-1, 1, 1)
+    keep = valid & (((rel >= 0) & (rel < n_sink)) | (pos > qpos - window))
+    return [{(int(s), int(p)) for s, p in zip(slots[b, h][keep[b, h]], pos[b, h][keep[b, h]], strict=True)}
+            for b in range(store.batch) for h in range(store.heads)]  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [6, 1])
+def test_special_slots_kept_through_decode_appends_are_the_sinks_and_the_last_window(window):
+    """The sink and recent slots a store keeps (found once by a scan, then a ring written by the append operator, or
+    by the general append of one masked token) are at every step the row's first ``n_sink`` tokens and its tokens of
+    the last ``window`` positions, as read from the frame; the decode steps never scan again (no page moves: a
+    reserved store). Row 1 is left-padded, and a pad token arrives in the middle of decoding (general append, masked:
+    it takes no slot)."""
+    from pikv_hf.store.special import SpecialSlots
+
+    b, h, d, n_sink, t0 = 2, 2, 8, 2, 30
+    g = torch.Generator().manual_seed(5)
+    store = PagedStore(b, h, d, d, 3, 4, torch.float32, torch.device("cpu"))
+    present = torch.ones(b, h, t0, dtype=torch.bool)
+    present[1, :, :5] = False  # left padding
+    row_start = torch.tensor([0, 5])
+    store.append(torch.randn(b, h, t0, d, generator=g), torch.randn(b, h, t0, d, generator=g),
+                 torch.randint(0, 3, (b, h, t0), generator=g), torch.arange(t0), present)  # fmt: skip
+    store.reserve(40)  # room for every decode token in every shard: no page moves, so no slot changes
+    first = store.special_slots(n_sink, window, row_start)
+    assert _read_specials(store, n_sink, window, row_start, t0 - 1) == _sinks_and_window(
+        store, n_sink, window, row_start, t0 - 1
+    )
+    scans = 0
+    real_scan = SpecialSlots.scan
+
+    def counting(*args, **kwargs):
+        nonlocal scans
+        scans += 1
+        return real_scan(*args, **kwargs)
+
+    SpecialSlots.scan = counting
+    try:
+        for t in range(t0, t0 + 15):
+            k, v = torch.randn(b, h, 1, d, generator=g), torch.randn(b, h, 1, d, generator=g)
+            shard = torch.randint(0, 3, (b, h, 1), generator=g)
+            if t == t0 + 7:  # row 0 pads this step (general append, masked)
+                mask = torch.tensor([False, True]).view(b, 1, 1).expand(b, h, 1)
+                store.append(k, v, shard, torch.tensor([t]), mask, grow=False)
+            else:
+                store.append_one(k, v, shard, torch.tensor([t]), grow=False)
+            got = _read_specials(store, n_sink, window, row_start, t)
+            assert got == _sinks_and_window(store, n_sink, window, row_start, t), t
+    finally:
+        SpecialSlots.scan = real_scan
+    assert scans == 0 and store.special_slots(n_sink, window, row_start) is first

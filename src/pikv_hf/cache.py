@@ -226,12 +226,12 @@ class PiKVCache(ForwardAwareCache):
                 present = mask
         f = self._forward
         self._forwards.append(ForwardState(f.active, f.pikv, f.present))
-        f.active, f.pikv, f.present = True, pikv, present
+        f.active, f.pikv, f.present, f.positions = True, pikv, present, None
 
     def end_forward(self) -> None:
         outer = self._forwards.pop() if self._forwards else ForwardState()
         f = self._forward
-        f.active, f.pikv, f.present = outer.active, outer.pikv, outer.present
+        f.active, f.pikv, f.present, f.positions = outer.active, outer.pikv, outer.present, None
         if not f.active:  # the outermost forward ended: its temporaries go (LayerEdits.end_forward)
             for layer in self.layers:
                 layer.end_forward()

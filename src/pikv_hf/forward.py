@@ -39,6 +39,19 @@ class ForwardState:
     active: bool = False
     pikv: bool = False
     present: torch.Tensor | None = None
+    positions: tuple[int, torch.Tensor] | None = None  # (first, tensor): token_positions' latest, within a forward
+
+    def token_positions(self, first: int, q: int, device: torch.device) -> torch.Tensor:
+        """``[q]`` int64 positions ``first .. first + q - 1`` on ``device``. Within a forward the layers that store
+        the same new tokens share one tensor (a decode step of 30 layers: one ``arange``, one kernel on CUDA, in place
+        of 30); the cache drops it when the forward ends."""
+        memo = self.positions
+        if memo is not None and memo[0] == first and memo[1].numel() == q and memo[1].device == device:
+            return memo[1]
+        out = torch.arange(first, first + q, device=device)
+        if self.active:
+            self.positions = (first, out)
+        return out
 
 
 @dataclass(frozen=True)

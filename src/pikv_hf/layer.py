@@ -168,8 +168,8 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.is_initialized = True
 
     def _token_index(self, q: int, device: torch.device) -> torch.Tensor:
-        """``[q]`` ordinals (positions) of the next ``q`` tokens."""
-        return torch.arange(self._seen, self._seen + q, device=device)
+        """``[q]`` ordinals (positions) of the next ``q`` tokens (one tensor for the layers of a forward)."""
+        return self.forward.token_positions(self._seen, q, device)
 
     def _advance(self, q: int) -> None:
         self._seen += q

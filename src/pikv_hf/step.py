@@ -60,7 +60,7 @@ def whole_rows(plan: ReadPlan, store: PagedStore, rows: torch.Tensor) -> ReadPla
     frame = torch.where(frame < store.table.cap.unsqueeze(-1), frame, -1)  # the frame runs past shorter runs
     pages = torch.where(every, frame, F.pad(plan.pages, (0, extra), value=-1))
     full = None if plan.page_full is None else F.pad(plan.page_full, (0, extra), value=False) | every
-    return replace(plan, pages=pages, page_full=full, used=None)  # its rows' counts no longer hold
+    return replace(plan, pages=pages, page_full=full, lengths=None)  # its rows' counts no longer hold
 
 
 class DecodeStep:

@@ -57,19 +57,19 @@ def readable(ok: torch.Tensor, pos: torch.Tensor, plan: ReadPlan, qpos: torch.Te
 
 
 def trimmed(plan: ReadPlan) -> ReadPlan:
-    """``plan`` without the ``-1`` padding after its last used entry (its pages come first in every row), where the
-    policy says how many are used (``ReadPlan.used``: a routed plan from its operator, or Quest's plans over a store
+    """``plan`` without the ``-1`` padding after its longest row's entries (its pages come first in every row), where
+    the policy counted them (``ReadPlan.lengths``: a routed plan from its operator, or Quest's plans over a store
     group, are as wide as each frame and read a fraction of it; eager routed plans on the CPU are built trimmed). On
-    the CPU only, outside compiled code: the count is read back (no operator; no device to wait for), and a routed
-    read of 2k tokens then gathers and attends about 2.2x faster (385 against 854 us per layer at SmolLM2's shape); on
-    an accelerator the plan keeps its fixed width (the fused kernel skips padding itself)."""
-    if plan.used is None or plan.pages.device.type != "cpu" or torch.compiler.is_compiling():
+    the CPU only, outside compiled code: the longest is read back (no device to wait for), and a routed read of 2k
+    tokens then gathers and attends about 2.2x faster (385 against 854 us per layer at SmolLM2's shape); on an
+    accelerator the plan keeps its fixed width (the fused kernel reads each row's ``lengths``)."""
+    if plan.lengths is None or plan.pages.device.type != "cpu" or torch.compiler.is_compiling():
         return plan
-    used = int(plan.used)
+    used = int(plan.lengths.max()) if plan.lengths.numel() else 0
     if used == plan.pages.shape[-1]:
         return plan
     full = None if plan.page_full is None else plan.page_full[..., :used]
-    return ReadPlan(plan.pages[..., :used], full, plan.n_sink, plan.window, plan.row_start)
+    return ReadPlan(plan.pages[..., :used], full, plan.n_sink, plan.window, plan.row_start, plan.lengths)
 
 
 def fused_decode(

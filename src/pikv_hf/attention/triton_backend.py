@@ -2,15 +2,15 @@
 and the dispatch a ``PiKVCache`` uses by default: Triton for stores on CUDA when triton is installed, the torch
 reference elsewhere.
 
-The kernel reads K/V in place through the page table's runs (``PageTable.start``): an exact read passes no table
-at all, only each run's start and ``n_pages`` as the row lengths (splits then divide the pages in use), a sparse
-plan passes its local page ids, which the kernel maps onto the runs, and ``page_full`` (stores of codes still pass
-global ids, ``PageTable.pages``). Stores of
-the identity codec are read as stored, stores of ``QuantCodec`` as codes dequantised in registers (``decode_quant``).
-The kernels run as the custom operator ``torch.ops.pikv.paged_decode`` and the calls read only shapes, so the
-attention of a decode step does not synchronise with the host and compiles with ``torch.compile(fullgraph=True)``.
-Attention mass (``want_mass``), per-group partials (``groups > 1``), other codecs and chunks of more than
-``max_queries`` tokens (prefill: the kernel is built for a few query rows per KV head) use the inherited torch path.
+The kernels read K/V (or codes) in place through the page table's runs (``PageTable.start``): an exact read passes
+no table at all, only each run's start and ``n_pages`` as the row lengths (splits then divide the pages in use), a
+sparse plan passes its local page ids, which the kernel maps onto the runs, its rows' counts (``ReadPlan.lengths``,
+from the operator that planned them) and ``page_full``. Stores of the identity codec are read as stored, stores of
+``QuantCodec`` as codes dequantised in registers (``decode_quant``). The kernels run as the custom operators
+``torch.ops.pikv.paged_decode`` / ``paged_decode_q4`` and the calls read only shapes, so the attention of a decode
+step does not synchronise with the host and compiles with ``torch.compile(fullgraph=True)``. Attention mass
+(``want_mass``), per-group partials (``groups > 1``), other codecs and chunks of more than ``max_queries`` tokens
+(prefill: the kernel is built for a few query rows per KV head) use the inherited torch path.
 Whether the kernels run interpreted (``TRITON_INTERPRET=1``, CPU) is decided when ``pikv_hf`` is imported.
 """
 
@@ -32,7 +32,8 @@ HAVE_TRITON = find_spec("triton") is not None
 
 def _plan_lengths(pages: torch.Tensor) -> torch.Tensor:
     """``[B, H]`` one past the last page entry of each row of a plan's local ids (``-1`` padding after it is not
-    read): the splits divide what a row reads, not the plan's width."""
+    read): the splits divide what a row reads, not the plan's width. For a plan whose operator did not count them
+    (``ReadPlan.lengths``)."""
     rank = torch.arange(1, pages.shape[-1] + 1, device=pages.device)
     return torch.where(pages >= 0, rank, 0).amax(-1) if pages.shape[-1] else pages.new_zeros(pages.shape[:2])
 
@@ -69,23 +70,25 @@ class TritonBackend(TorchBackend):
                 query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count, newest
             )
         pool, table = store.pool, store.table
-        lengths = table.n_pages if plan.exact else _plan_lengths(plan.pages)
-        attended = torch.empty(store.batch, store.heads, dtype=torch.int64, device=store.device) if count else None
+        if plan.exact:
+            lengths = table.n_pages
+        else:
+            lengths = _plan_lengths(plan.pages) if plan.lengths is None else plan.lengths
+        # the kernels map the plan's local ids (or, exact, each run's first n_pages pages) onto the runs themselves
         read = dict(
             page_full=plan.page_full, n_sink=plan.n_sink, window=plan.window, row_start=plan.row_start,
-            lengths=lengths, sliding_window=sliding_window, sinks=sinks, attended=attended, check=False,
+            lengths=lengths, sliding_window=sliding_window, sinks=sinks, count=count, check=False,
+            run_start=table.start, width=table.width(),
         )  # fmt: skip
+        local = None if plan.exact else plan.pages.contiguous()  # a plan may be a slice of a wider one
         if store.kv_fields == ("keys", "values"):
-            # the kernel maps the plan's local ids (or, exact, each run's first n_pages pages) onto the runs itself
-            kv = (pool["keys"], pool["values"], pool["pos"], pool["valid"])
-            local = None if plan.exact else plan.pages.contiguous()  # a plan may be a slice of a wider one
-            o, lse = decode_attention(query, *kv, local, qpos, scale, run_start=table.start, width=table.width(),
-                                      **read)  # fmt: skip
+            out = decode_attention(query, pool["keys"], pool["values"], pool["pos"], pool["valid"], local, qpos,
+                                   scale, **read)  # fmt: skip
         else:
-            pages = table.pages(plan.pages)
             quant = QuantPages(*(pool[name] for name in QUANT_FIELDS), bits=store.codec.bits)
-            o, lse = decode_attention_quant(query, quant, pool["pos"], pool["valid"], pages, qpos, scale, **read)
-        return Partial(o, lse, attended=attended)
+            out = decode_attention_quant(query, quant, pool["pos"], pool["valid"], local, qpos, scale, **read)
+        o, lse, *attended = out  # with count, the slots attended too
+        return Partial(o, lse, attended=attended[0] if attended else None)
 
 
 class AutoBackend(TritonBackend):

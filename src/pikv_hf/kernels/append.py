@@ -12,8 +12,10 @@ routed cache, the shard's key sums / squares / min / max). Here it is one progra
    reserved capacity (``cap``, compiled caches) a run past it writes into its own last page (never another run's);
 3. the writes: ``key`` / ``value`` rows (unless a codec stores them: ``key_pool`` None), ``pos``, ``valid = True``,
    ``bias = 0``, the page's ``page_shard``, ``count[b, h, s] += 1`` and, with ``key_sum`` given, the shard's key
-   sums and squares in float32, and its min / max with ``key_min`` given (each program owns its ``(row, head)``'s
-   shards: no atomics).
+   sums and squares in float32, and its min / max with ``key_min`` given, and with ``page_min`` given the key bounds
+   of the slot's page (Quest's, in their own dtype; each program owns its ``(row, head)``'s shards and pages: no
+   atomics), and with ``ring_slots`` given the token's entry in the store's ring of recent tokens
+   (``pikv_hf.store.special``: column ``n_sink + pos % window`` of ``ring_slots`` / ``ring_pos``).
 
 The flat slot id ``(start + local_page) * P + offset`` of every token is returned (``[B, H]`` int64).
 :func:`append_one_reference` is the same in torch; it is the operator's CPU implementation (the kernel runs on CPU
@@ -36,9 +38,10 @@ def _append_one_kernel(
     shard_ptr, row_start_ptr, pos_ptr, open_page_ptr, open_fill_ptr, n_pages_ptr, start_ptr, cap_ptr,
     key_ptr, value_ptr, k_sb, k_sh, v_sb, v_sh, key_pool_ptr, value_pool_ptr,
     pos_pool_ptr, valid_pool_ptr, bias_pool_ptr, page_shard_ptr, count_ptr, sum_ptr, sq_ptr, min_ptr, max_ptr,
-    slot_ptr, H, S, P, DK, DV,
+    page_min_ptr, page_max_ptr, ring_slot_ptr, ring_pos_ptr, slot_ptr, H, S, P, DK, DV, N_SINK, WINDOW,
     HAS_SHARD: tl.constexpr, HAS_ROW_START: tl.constexpr, SATURATE: tl.constexpr, WRITE_KV: tl.constexpr,
-    SUMMARY: tl.constexpr, BOUNDS: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SUMMARY: tl.constexpr, BOUNDS: tl.constexpr, PAGE_BOUNDS: tl.constexpr, RING: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
     b = bh // H
@@ -65,6 +68,10 @@ def _append_one_kernel(
         local = tl.minimum(local, tl.load(cap_ptr + bh) - 1)
     slot = (tl.load(start_ptr + bh) + local) * P + offset
     tl.store(slot_ptr + bh, slot)
+    if RING:
+        entry = bh * (N_SINK + WINDOW) + N_SINK + pos.to(tl.int64) % WINDOW
+        tl.store(ring_slot_ptr + entry, slot)
+        tl.store(ring_pos_ptr + entry, pos.to(tl.int64))
     tl.store(pos_pool_ptr + slot, pos.to(tl.int32))
     tl.store(valid_pool_ptr + slot, 1)
     tl.store(bias_pool_ptr + slot, 0.0)
@@ -89,6 +96,14 @@ def _append_one_kernel(
         row = at * DK + dk
         tl.store(min_ptr + row, tl.minimum(tl.load(min_ptr + row, mask=mk), kf), mask=mk)
         tl.store(max_ptr + row, tl.maximum(tl.load(max_ptr + row, mask=mk), kf), mask=mk)
+    if PAGE_BOUNDS:  # the page's bounds, stored in their dtype (the min / max of values of that dtype: exact)
+        bound_ty = page_min_ptr.dtype.element_ty
+        kb = k.to(bound_ty).to(tl.float32)
+        row = (slot // P) * DK + dk
+        low = tl.minimum(tl.load(page_min_ptr + row, mask=mk).to(tl.float32), kb)
+        high = tl.maximum(tl.load(page_max_ptr + row, mask=mk).to(tl.float32), kb)
+        tl.store(page_min_ptr + row, low.to(bound_ty), mask=mk)
+        tl.store(page_max_ptr + row, high.to(bound_ty), mask=mk)
 
 
 def round_robin_shard(row_index: torch.Tensor, page_size: int, num_shards: int) -> torch.Tensor:
@@ -119,12 +134,20 @@ def append_one_reference(
     key_sq: torch.Tensor | None,
     key_min: torch.Tensor | None,
     key_max: torch.Tensor | None,
+    page_min: torch.Tensor | None = None,
+    page_max: torch.Tensor | None = None,
+    ring_slots: torch.Tensor | None = None,
+    ring_pos: torch.Tensor | None = None,
+    n_sink: int = 0,
+    window: int = 0,
 ) -> torch.Tensor:
     """The kernel in torch (module docstring): ``open_page`` / ``open_fill`` / ``count`` ``[B, H, S]``, ``n_pages`` /
     ``start`` / ``cap`` ``[B, H]``, ``shard`` ``[B, H]`` or None, ``row_start`` ``[B]`` or None, ``key`` /
     ``value`` ``[B, H, Dk]`` / ``[B, H, Dv]``, pools ``[N, P, ...]``, ``page_shard`` ``[N]``, key statistics
-    ``[B, H, S, Dk]`` float32 or None (the min / max may be None while the sums are given), ``pos`` ``[1]`` the
-    tokens' position -> flat slots ``[B, H]``; every state tensor is updated in place."""
+    ``[B, H, S, Dk]`` float32 or None (the min / max may be None while the sums are given), page key bounds
+    ``[N, Dk]`` (any float dtype) or None, the ring of recent tokens ``ring_slots`` / ``ring_pos`` ``[B, H, n_sink +
+    window]`` int64 (contiguous) or None, ``pos`` ``[1]`` the tokens' position -> flat slots ``[B, H]``; every state
+    tensor is updated in place."""
     b, h, n_shards = open_page.shape
     p = pos_pool.shape[1]
     if shard is None:
@@ -142,6 +165,10 @@ def append_one_reference(
     if cap is not None:  # a reserved run past its capacity overwrites its own last page
         local = torch.minimum(local, cap.unsqueeze(-1) - 1)
     slot = ((start.unsqueeze(-1) + local) * p + offset).squeeze(-1)  # [B, H]
+    if ring_slots is not None:
+        entry = (n_sink + pos.view(1, 1, 1).to(torch.int64) % window).expand(b, h, 1)
+        ring_slots.scatter_(2, entry, slot.unsqueeze(-1))
+        ring_pos.scatter_(2, entry, pos.view(1, 1, 1).to(torch.int64).expand(b, h, 1))
     flat = slot.reshape(-1)
     if key_pool is not None:
         key_pool.view(-1, key_pool.shape[-1]).index_copy_(0, flat, key.reshape(-1, key.shape[-1]))
@@ -149,7 +176,13 @@ def append_one_reference(
     pos_pool.view(-1).index_fill_(0, flat, pos.view(()))
     valid_pool.view(-1).index_fill_(0, flat, True)
     bias_pool.view(-1).index_fill_(0, flat, 0.0)
-    page_shard.index_copy_(0, flat.div(p, rounding_mode="floor"), shard.reshape(-1).to(page_shard.dtype))
+    page = flat.div(p, rounding_mode="floor")
+    page_shard.index_copy_(0, page, shard.reshape(-1).to(page_shard.dtype))
+    if page_min is not None:  # no two (row, head)s share a page
+        kb = key.reshape(-1, key.shape[-1]).to(page_min.dtype)
+        at_page = page.unsqueeze(-1).expand_as(kb)
+        page_min.scatter_reduce_(0, at_page, kb, "amin")
+        page_max.scatter_reduce_(0, at_page, kb, "amax")
     if key_sum is not None:
         k = key.float().unsqueeze(2)  # [B, H, 1, Dk]
         at = s.unsqueeze(-1).expand(b, h, 1, k.shape[-1])
@@ -163,7 +196,8 @@ def append_one_reference(
 
 def append_one_kernel(
     open_page, open_fill, n_pages, start, cap, shard, row_start, pos, key, value, key_pool, value_pool,
-    pos_pool, valid_pool, bias_pool, page_shard, count, key_sum, key_sq, key_min, key_max,
+    pos_pool, valid_pool, bias_pool, page_shard, count, key_sum, key_sq, key_min, key_max, page_min=None, page_max=None,
+    ring_slots=None, ring_pos=None, n_sink=0, window=0,
 ):  # fmt: skip
     """The Triton kernel with the arguments of :func:`append_one_reference` (shapes are the caller's: the operator's
     wrapper checks them)."""
@@ -173,6 +207,7 @@ def append_one_kernel(
     slot = torch.empty(b, h, dtype=torch.int64, device=open_page.device)
     check_launchable(_append_one_kernel, open_page.device)
     summary, bounds = key_sum is not None, key_min is not None
+    page_bounds, ring = page_min is not None, ring_slots is not None
     _append_one_kernel[(b * h,)](
         shard if shard is not None else slot, row_start if row_start is not None else slot, pos,
         open_page, open_fill, n_pages, start, cap if cap is not None else slot,
@@ -180,21 +215,25 @@ def append_one_kernel(
         key_pool if key_pool is not None else key, value_pool if value_pool is not None else value,
         pos_pool, valid_pool, bias_pool, page_shard, count,
         *((key_sum, key_sq) if summary else (slot,) * 2), *((key_min, key_max) if bounds else (slot,) * 2),
-        slot, h, n_shards, p, dk, dv,
+        *((page_min, page_max) if page_bounds else (slot,) * 2), *((ring_slots, ring_pos) if ring else (slot,) * 2),
+        slot, h, n_shards, p, dk, dv, n_sink, max(window, 1),
         HAS_SHARD=shard is not None, HAS_ROW_START=row_start is not None, SATURATE=cap is not None,
-        WRITE_KV=key_pool is not None, SUMMARY=summary, BOUNDS=bounds,
+        WRITE_KV=key_pool is not None, SUMMARY=summary, BOUNDS=bounds, PAGE_BOUNDS=page_bounds, RING=ring,
         BLOCK_DK=max(16, next_power_of_2(dk)), BLOCK_DV=max(16, next_power_of_2(dv)),
     )  # fmt: skip
     return slot
 
 
 _MUTATED = ("open_page", "open_fill", "n_pages", "key_pool", "value_pool", "pos_pool", "valid_pool", "bias_pool",
-            "page_shard", "count", "key_sum", "key_sq", "key_min", "key_max")  # fmt: skip
+            "page_shard", "count", "key_sum", "key_sq", "key_min", "key_max", "page_min", "page_max", "ring_slots",
+            "ring_pos")  # fmt: skip
 _SCHEMA = (
     "(Tensor(a!) open_page, Tensor(b!) open_fill, Tensor(c!) n_pages, Tensor start, Tensor? cap, Tensor? shard, "
     "Tensor? row_start, Tensor pos, Tensor key, Tensor value, Tensor(d!)? key_pool, Tensor(e!)? value_pool, "
     "Tensor(f!) pos_pool, Tensor(g!) valid_pool, Tensor(h!) bias_pool, Tensor(i!) page_shard, Tensor(j!) count, "
-    "Tensor(k!)? key_sum, Tensor(l!)? key_sq, Tensor(m!)? key_min, Tensor(n!)? key_max) -> Tensor"
+    "Tensor(k!)? key_sum, Tensor(l!)? key_sq, Tensor(m!)? key_min, Tensor(n!)? key_max, Tensor(o!)? page_min=None, "
+    "Tensor(p!)? page_max=None, Tensor(q!)? ring_slots=None, Tensor(r!)? ring_pos=None, int n_sink=0, int window=0) "
+    "-> Tensor"
 )
 append_one_op = torch.library.custom_op("pikv::append_one", append_one_kernel, mutates_args=_MUTATED,
                                         device_types="cuda", schema=_SCHEMA)  # fmt: skip

@@ -27,7 +27,7 @@ reads only shapes (no ``.item()``): the step does not synchronise.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -649,7 +649,6 @@ def check_decode_args(
     lengths: torch.Tensor | None,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
-    attended: torch.Tensor | None,
     check: bool,
     run_start: torch.Tensor | None = None,
     width: int | None = None,
@@ -685,14 +684,24 @@ def check_decode_args(
         expect("lengths", lengths, (b, h), _INT, dev)
     if sinks is not None:
         expect("sinks", sinks, (hq,), _FLOAT, dev)
-    if attended is not None:
-        expect("attended", attended, (b, h), (torch.int64,), dev)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if check:
         check_pages_in_range(global_pages(pages, run_start, n, lengths), num_pages, "page table ids")
         if lengths is not None and lengths.numel() and bool(((lengths < 0) | (lengths > n)).any()):
             raise IndexError(f"lengths must be in [0, {n}] (the table width)")
+
+
+def launches_directly(query: torch.Tensor, kernel: Any) -> bool:
+    """Whether an eager call launches ``kernel`` itself rather than through its operator: the kernel runs on the
+    query's tensors (CUDA, or the interpreter) and nothing traces the call (``torch.compile``, a dispatch mode such as
+    fake tensors)."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(query) is torch.Tensor
+        and (query.is_cuda or interpreted(kernel))
+        and not torch._C._len_torch_dispatch_stack()
+    )
 
 
 def run_decode(
@@ -712,13 +721,12 @@ def run_decode(
     lengths: torch.Tensor | None,
     sliding_window: int | None,
     sinks: torch.Tensor | None,
-    attended: torch.Tensor | None,
     num_splits: int | None,
     run_start: torch.Tensor | None = None,
     width: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Call the operator on checked arguments; ``fields = (k, v, k_scale, k_zero, v_scale, v_zero)`` (the last four
-    None for stored pages); fill ``attended``.
+    None for stored pages) -> ``(o, lse, attended)``.
 
     An eager call whose implementation is the kernels (CUDA tensors, or the interpreter) launches them directly: the
     dispatcher's path through the custom operator (autograd and device keys, the dynamo-disabled Python kernel, the
@@ -730,16 +738,7 @@ def run_decode(
         float(scale), int(n_sink), int(window), int(sliding_window or 0), bits, group, int(num_splits or 0),
         run_start, int(width or 0),
     )  # fmt: skip
-    direct = (
-        not torch.compiler.is_compiling()
-        and type(query) is torch.Tensor
-        and (query.is_cuda or interpreted(_split_kernel))
-        and not torch._C._len_torch_dispatch_stack()
-    )
-    o, lse, counted = (_launch if direct else paged_decode)(*args)
-    if attended is not None:
-        attended.copy_(counted)
-    return o, lse
+    return (_launch if launches_directly(query, _split_kernel) else paged_decode)(*args)
 
 
 def decode_attention(
@@ -758,12 +757,12 @@ def decode_attention(
     lengths: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
-    attended: torch.Tensor | None = None,
+    count: bool = False,
     num_splits: int | None = None,
     check: bool = True,
     run_start: torch.Tensor | None = None,
     width: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Attention of a few query tokens over the pool pages a page table names, read in place (Triton, through
     ``torch.ops.pikv.paged_decode``).
 
@@ -797,8 +796,8 @@ def decode_attention(
         Keys with ``qpos - pos >= sliding_window`` are masked.
     sinks : torch.Tensor, optional
         ``[Hq]`` attention-sink logits (GPT-OSS).
-    attended : torch.Tensor, optional
-        ``[B, H]`` int64 output: slots the last query token attends per (row, KV head), computed on the device.
+    count : bool
+        Also return ``attended``: the slots the last query token attends per (row, KV head), counted by the kernel.
     num_splits : int, optional
         Splits of each table row (default: enough programs for a few per SM on CUDA, 1 elsewhere).
     check : bool
@@ -812,19 +811,20 @@ def decode_attention(
 
     Returns
     -------
-    (torch.Tensor, torch.Tensor)
+    tuple of torch.Tensor
         ``o [B, Hq, q, Dv]`` float32 (zeros for a query with nothing to attend) and ``lse [B, Hq, q]`` float32
-        (``-inf`` there), equal to :func:`decode_attention_reference`.
+        (``-inf`` there), equal to :func:`decode_attention_reference`; with ``count``, also ``attended [B, H]`` int64.
     """
-    check_decode_args(query, pos, valid, pages, qpos, page_full, row_start, lengths, sliding_window, sinks, attended,
-                      check, run_start, width)  # fmt: skip
+    check_decode_args(query, pos, valid, pages, qpos, page_full, row_start, lengths, sliding_window, sinks, check,
+                      run_start, width)  # fmt: skip
     num_pages, page = pos.shape
     expect("keys", keys, (num_pages, page, query.shape[-1]), (query.dtype,), query.device)
     expect("values", values, (num_pages, page, None), (query.dtype,), query.device)
-    return run_decode(
+    out = run_decode(
         query, (keys, values, None, None, None, None), 0, 1, pos, valid, pages, qpos, scale, page_full, n_sink,
-        window, row_start, lengths, sliding_window, sinks, attended, num_splits, run_start, width,
+        window, row_start, lengths, sliding_window, sinks, num_splits, run_start, width,
     )  # fmt: skip
+    return out if count else out[:2]
 
 
 def decode_attention_reference(

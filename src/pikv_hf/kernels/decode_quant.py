@@ -75,6 +75,7 @@ from pikv_hf.kernels.decode import (
     _store_split,
     _tile,
     check_decode_args,
+    launches_directly,
     run_decode,
     tuned_configs,
 )
@@ -236,6 +237,7 @@ def _split_q4_kernel_fn(
     pos_ptr,
     valid_ptr,
     table_ptr,
+    start_ptr,
     len_ptr,
     full_ptr,
     row_start_ptr,
@@ -265,11 +267,14 @@ def _split_q4_kernel_fn(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP: tl.constexpr,
+    TABLE: tl.constexpr,
     SPAN: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Program ``(b * H + h, split, row tile)`` of ``decode.py``'s stage 1 over 4-bit pages, the codes dotted as
-    codes in even / odd channel halves (module docstring); same partial outputs, so the same merge follows."""
+    codes in even / odd channel halves (module docstring); same partial outputs, so the same merge follows. ``TABLE``
+    as there: global page ids (0), local ids of the run starting at ``start_ptr[bh]`` (1), or the run's pages in
+    order (2, an exact read)."""
     HK: tl.constexpr = DK // 2
     HV: tl.constexpr = DV // 2
     NG: tl.constexpr = DV // GROUP
@@ -282,6 +287,7 @@ def _split_q4_kernel_fn(
     row_start = tl.load(row_start_ptr + b).to(tl.int32) if HAS_FULL else 0
     lo, hi = _split_slots(len_ptr, bh, n_table, num_splits, PAGE, BLOCK_N, HAS_LEN)
     row_table = table_ptr + bh.to(tl.int64) * n_table
+    run_first = tl.load(start_ptr + bh).to(tl.int64) if TABLE > 0 else 0
     full_row = full_ptr + bh.to(tl.int64) * n_table
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -289,10 +295,9 @@ def _split_q4_kernel_fn(
     acc_o = tl.zeros([BLOCK_R, HV], tl.float32)
     count = tl.zeros([BLOCK_N], tl.int32)
     for start in range(lo, hi, BLOCK_N):
-        # a table of global page ids (TABLE 0)
         page, slot, load, ok, pos = _tile(
-            start, hi, row_table, 0, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
-            PAGE, BLOCK_N, HAS_FULL, 0,
+            start, hi, row_table, run_first, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
+            PAGE, BLOCK_N, HAS_FULL, TABLE,
         )  # fmt: skip
         kb = tl.load(kq_ptr + slot[:, None] * HK + ik[None, :], mask=load[:, None], other=0)
         if PAGE >= BLOCK_N:  # one page: its scales folded into the query, codes dotted as they are
@@ -351,47 +356,53 @@ _split_q4_kernel_tuned = None  # on CUDA: autotuned over tile sizes, warps and p
 if HAVE_TRITON and not interpreted(_split_q4_kernel):
     _split_q4_kernel_tuned = triton.autotune(
         configs=tuned_configs(_Q4_CONFIGS, _Q4_CAPPED),
-        key=["PAGE", "DK", "DV", "BLOCK_R", "GROUP", "HAS_FULL", "HAS_LEN", "SPAN"],
+        key=["PAGE", "DK", "DV", "BLOCK_R", "GROUP", "HAS_FULL", "HAS_LEN", "SPAN", "TABLE"],
     )(triton.jit(_split_q4_kernel_fn))
 
 
 def _launch_q4(
     query, kq, vq, k_scale, k_zero, v_scale, v_zero, pos, valid, pages, qpos, page_full, row_start, lengths, sinks,
-    scale, n_sink, window, sliding_window, group, num_splits,
+    scale, n_sink, window, sliding_window, group, num_splits, run_start, width,
 ):  # fmt: skip
     """Both stages over 4-bit pages (the 4-bit split kernel, then ``decode.py``'s merge) on checked tensors:
-    ``(o, lse, attended)`` as ``torch.ops.pikv.paged_decode`` (tables made contiguous as there)."""
-    pages, page_full, lengths = (None if t is None else t.contiguous() for t in (pages, page_full, lengths))
-    geo = _geometry(query, pos.shape[1], pages.shape[1], pages.shape[2], vq.shape[-1] * 2, num_splits)
+    ``(o, lse, attended)`` as ``torch.ops.pikv.paged_decode`` (tables made contiguous, ``run_start`` / ``width``
+    read, as there)."""
+    pages, page_full, lengths, run_start = (
+        None if t is None else t.contiguous() for t in (pages, page_full, lengths, run_start)
+    )  # fmt: skip
+    h, n = (pages.shape[1], pages.shape[2]) if pages is not None else (run_start.shape[1], width)
+    geo = _geometry(query, pos.shape[1], h, n, vq.shape[-1] * 2, num_splits)
     dev = query.device
     o_part, lse_part, counts = _partials(geo, dev)
     if geo.reads:
         check_launchable(_split_q4_kernel, dev)
         if page_full is not None and row_start is None:
             row_start = torch.zeros(geo.b, dtype=torch.int64, device=dev)
-        unused = pages  # pointer of an absent optional input (its constexpr switch keeps it unread)
+        unused = qpos  # pointer of an absent optional input (its constexpr switch keeps it unread)
         tuned = _split_q4_kernel_tuned is not None and geo.n_slots >= _TUNE_FROM_SLOTS
         kernel = _split_q4_kernel_tuned if tuned else _split_q4_kernel
         dot_dtype = _dot_dtype(query.dtype, interpreted(_split_q4_kernel))
         fixed = {} if tuned else dict(BLOCK_N=_Q4_BLOCK_N, num_warps=4, num_stages=2)
         kernel[(geo.b * geo.h, geo.splits, geo.row_tiles)](
-            query, kq, vq, k_scale, k_zero, v_scale, v_zero, pos, valid.view(torch.uint8), pages,
+            query, kq, vq, k_scale, k_zero, v_scale, v_zero, pos, valid.view(torch.uint8),
+            unused if pages is None else pages, unused if run_start is None else run_start,
             unused if lengths is None else lengths, unused if page_full is None else page_full.view(torch.uint8),
             unused if row_start is None else row_start, qpos, o_part, lse_part, counts,
             query.stride(0), query.stride(1), query.stride(2), geo.h, geo.n, geo.splits, n_sink, window,
             sliding_window, scale * _LOG2E, G=geo.g, Q=geo.q, PAGE=geo.page, DK=geo.dk, DV=geo.dv,
             BLOCK_R=geo.block_r, HAS_LEN=lengths is not None, HAS_FULL=page_full is not None,
             HAS_SLIDING=sliding_window > 0, DOT_DTYPE=dot_dtype,
-            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", GROUP=group, SPAN=geo.span if tuned else 1,
-            **fixed,
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", GROUP=group,
+            TABLE=0 if run_start is None else 1 if pages is not None else 2, SPAN=geo.span if tuned else 1, **fixed,
         )  # fmt: skip
     return _merge(geo, o_part, lse_part, counts, sinks)
 
 
 _Q4_SCHEMA = (
     "(Tensor query, Tensor kq, Tensor vq, Tensor k_scale, Tensor k_zero, Tensor v_scale, Tensor v_zero, Tensor pos, "
-    "Tensor valid, Tensor pages, Tensor qpos, Tensor? page_full, Tensor? row_start, Tensor? lengths, Tensor? sinks, "
-    "float scale, int n_sink, int window, int sliding_window, int group, int num_splits) -> (Tensor, Tensor, Tensor)"
+    "Tensor valid, Tensor? pages, Tensor qpos, Tensor? page_full, Tensor? row_start, Tensor? lengths, Tensor? sinks, "
+    "float scale, int n_sink, int window, int sliding_window, int group, int num_splits, Tensor? run_start, "
+    "int width) -> (Tensor, Tensor, Tensor)"
 )
 paged_decode_q4 = torch.library.custom_op("pikv::paged_decode_q4", _launch_q4, mutates_args=(), device_types="cuda",
                                           schema=_Q4_SCHEMA)  # fmt: skip
@@ -401,7 +412,7 @@ read by the 4-bit kernel (module docstring), the same arguments less ``bits``; n
 
 def _q4_as_generic(args: tuple) -> tuple:
     """The operator's arguments in the order of ``paged_decode`` (``bits = 4`` before ``group``)."""
-    return (*args[:-2], 4, *args[-2:])
+    return (*args[:-4], 4, *args[-4:])
 
 
 @paged_decode_q4.register_kernel("cpu")
@@ -414,11 +425,11 @@ def _paged_decode_q4_cpu(*args):
 @paged_decode_q4.register_fake
 def _paged_decode_q4_fake(query, kq, vq, *rest):
     b, hq, q, _ = query.shape
-    pages = rest[6]
+    pages, run_start = rest[6], rest[-2]
     return (
         query.new_empty(b, hq, q, vq.shape[-1] * 2, dtype=torch.float32),
         query.new_empty(b, hq, q, dtype=torch.float32),
-        query.new_empty(b, pages.shape[1], dtype=torch.int64),
+        query.new_empty(b, (pages if pages is not None else run_start).shape[1], dtype=torch.int64),
     )
 
 
@@ -438,16 +449,18 @@ def decode_attention_quant(
     lengths: torch.Tensor | None = None,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
-    attended: torch.Tensor | None = None,
+    count: bool = False,
     num_splits: int | None = None,
     check: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    run_start: torch.Tensor | None = None,
+    width: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     """:func:`pikv_hf.kernels.decode.decode_attention` over quantised pages ``quant`` (contiguous fields in the
     layout of the module docstring, on the query's device) in place of ``keys`` / ``values``; the other arguments
-    and the result are the same."""
+    (``run_start`` / ``width``: local page ids, or none for an exact read) and the result are the same."""
     _check_bits(quant.bits)
-    check_decode_args(query, pos, valid, pages, qpos, page_full, row_start, lengths, sliding_window, sinks, attended,
-                      check)  # fmt: skip
+    check_decode_args(query, pos, valid, pages, qpos, page_full, row_start, lengths, sliding_window, sinks, check,
+                      run_start, width)  # fmt: skip
     n, p = pos.shape
     dk, dv, dev = query.shape[-1], quant.v_dim, query.device
     f32 = (quant.k_scale.dtype,) if quant.k_scale.dtype in SCALE_DTYPES else SCALE_DTYPES
@@ -461,14 +474,13 @@ def decode_attention_quant(
     expect("v_zero", quant.v_zero, (n, p, dv // quant.group), f32, dev)
     fields = (quant.kq, quant.vq, quant.k_scale, quant.k_zero, quant.v_scale, quant.v_zero)
     if quant.bits == 4 and q4_fits(dk, dv, quant.group):
-        o, lse, counted = paged_decode_q4(
+        out = (_launch_q4 if launches_directly(query, _split_q4_kernel) else paged_decode_q4)(
             query, *fields, pos, valid, pages, qpos, page_full, row_start, lengths, sinks, float(scale), int(n_sink),
-            int(window), int(sliding_window or 0), quant.group, int(num_splits or 0),
+            int(window), int(sliding_window or 0), quant.group, int(num_splits or 0), run_start, int(width or 0),
         )  # fmt: skip
-        if attended is not None:
-            attended.copy_(counted)
-        return o, lse
-    return run_decode(
-        query, fields, quant.bits, quant.group, pos, valid, pages, qpos, scale, page_full, n_sink, window, row_start,
-        lengths, sliding_window, sinks, attended, num_splits,
-    )  # fmt: skip
+    else:
+        out = run_decode(
+            query, fields, quant.bits, quant.group, pos, valid, pages, qpos, scale, page_full, n_sink, window,
+            row_start, lengths, sliding_window, sinks, num_splits, run_start, width,
+        )  # fmt: skip
+    return out if count else out[:2]

@@ -9,8 +9,8 @@ bound's matmuls, the valid count and the special-page scatter.
 ``torch.ops.pikv.quest_select``, program ``b * H + h``: a stable descending sort of the row's scores (one key per
 page: the score's bits in an order-preserving integer, then the page index, so ties go to the earlier page), of which
 the first ``width`` entries are kept, ``-1`` past the row's budget of ``ceil(fraction * n_pages)`` pages and for empty
-pages. A frame of more than ``_MAX_SORT`` pages sorts with ``torch.sort`` inside the operator instead (one sort, one
-masking kernel).
+pages, and the count of the row's pages kept (what the decode kernel's splits divide). A frame of more than
+``_MAX_SORT`` pages sorts with ``torch.sort`` inside the operator instead (one sort, one masking kernel).
 
 Both are torch custom operators (a fake implementation for tracing; CPU: the torch reference, ``_scores_reference`` /
 ``_select_reference``, which are the policy's former torch code), so eager steps dispatch one operator each and
@@ -74,7 +74,7 @@ def _scores_kernel(
 
 
 @jit
-def _select_kernel(score_ptr, n_pages_ptr, out_ptr, W, width, fraction, BLOCK: tl.constexpr):
+def _select_kernel(score_ptr, n_pages_ptr, out_ptr, len_ptr, W, width, fraction, BLOCK: tl.constexpr):
     bh = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     x = tl.load(score_ptr + bh * W + i, mask=i < W, other=float("-inf"))
@@ -87,6 +87,7 @@ def _select_kernel(score_ptr, n_pages_ptr, out_ptr, W, width, fraction, BLOCK: t
     budget = tl.load(n_pages_ptr + bh).to(tl.float32) * fraction
     page = tl.where(empty | (i.to(tl.float32) >= budget), -1, page)
     tl.store(out_ptr + bh * width + i, page, mask=i < width)
+    tl.store(len_ptr + bh, tl.sum(((page >= 0) & (i < width)).to(tl.int32), 0))
 
 
 def _scores_reference(qg, key_min, key_max, valid, slots, spos, reach, qpos, start, page_size):
@@ -142,7 +143,8 @@ def _select_reference(score, n_pages, fraction, width):
     top, order = score.sort(dim=-1, descending=True, stable=True)  # ties to the earlier page
     # past the (row, head)'s budget of ceil(fraction * n_pages) pages (i < ceil(x) iff i < x), or empty
     over = torch.arange(width, device=score.device) >= (n_pages * fraction).unsqueeze(-1)
-    return order[..., :width].masked_fill(over | torch.isneginf(top[..., :width]), -1)
+    pages = order[..., :width].masked_fill(over | torch.isneginf(top[..., :width]), -1)
+    return pages, (pages >= 0).sum(-1, dtype=torch.int32)  # the kept pages lead each row
 
 
 def _select_launch(score, n_pages, fraction, width):
@@ -150,19 +152,21 @@ def _select_launch(score, n_pages, fraction, width):
     if w > _MAX_SORT or not score.numel():
         return _select_reference(score, n_pages, fraction, width)
     out = torch.empty(b, h, width, dtype=torch.int64, device=score.device)
+    lengths = torch.empty(b, h, dtype=torch.int32, device=score.device)
     check_launchable(_select_kernel, out.device)
-    _select_kernel[(b * h,)](score.contiguous(), n_pages.contiguous(), out, w, width, fraction,
+    _select_kernel[(b * h,)](score.contiguous(), n_pages.contiguous(), out, lengths, w, width, fraction,
                              BLOCK=max(16, next_power_of_2(w)))  # fmt: skip
-    return out
+    return out, lengths
 
 
 quest_select = torch.library.custom_op(
     "pikv::quest_select", _select_launch, mutates_args=(), device_types="cuda",
-    schema="(Tensor score, Tensor n_pages, float fraction, int width) -> Tensor",
+    schema="(Tensor score, Tensor n_pages, float fraction, int width) -> (Tensor, Tensor)",
 )  # fmt: skip
 quest_select.__doc__ = """``torch.ops.pikv.quest_select(score [B, H, W] float32, n_pages [B, H], fraction, width)``
--> ``[B, H, width]`` int64: the pages of each (row, head) by descending score (ties to the earlier page), ``-1`` at
-rank ``i >= fraction * n_pages`` and for ``-inf`` scores. ``width <= W``."""
+-> ``(pages [B, H, width] int64, lengths [B, H] int32)``: the pages of each (row, head) by descending score (ties to
+the earlier page), ``-1`` at rank ``i >= fraction * n_pages`` and for ``-inf`` scores, and how many each row keeps
+(they lead it). ``width <= W``."""
 
 
 @quest_select.register_kernel("cpu")
@@ -175,7 +179,8 @@ select = eager_direct(quest_select, _select_launch, _quest_select_cpu)
 
 @quest_select.register_fake
 def _quest_select_fake(score, n_pages, fraction, width):
-    return score.new_empty(*score.shape[:2], width, dtype=torch.int64)
+    b, h = score.shape[:2]
+    return score.new_empty(b, h, width, dtype=torch.int64), score.new_empty(b, h, dtype=torch.int32)
 
 
 _GROUP_STORES = 4  # stores one launch of the group kernel takes (their offsets and page sizes are scalar arguments)
@@ -199,7 +204,7 @@ def _nth(n: tl.constexpr, a, b, c, d, e):
 
 @jit
 def _group_kernel(
-    score_ptr, n_pages_ptr, out_ptr, W, BH, fraction, O1, O2, O3, P0, P1, P2, P3, NS: tl.constexpr,
+    score_ptr, n_pages_ptr, out_ptr, len_ptr, W, BH, fraction, O1, O2, O3, P0, P1, P2, P3, NS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)
@@ -226,8 +231,10 @@ def _group_kernel(
         mine = chosen & (page >= lo) & (page < lo + w_s)
         rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the store's pages keep their order: a prefix of its ranking
         base = out_ptr + BH * lo + bh * w_s
+        n = tl.sum(mine.to(tl.int32), 0)
         tl.store(base + rank, (page - lo).to(tl.int64), mask=mine)
-        tl.store(base + i, tl.full((BLOCK,), -1, tl.int64), mask=(i >= tl.sum(mine.to(tl.int32), 0)) & (i < w_s))
+        tl.store(base + i, tl.full((BLOCK,), -1, tl.int64), mask=(i >= n) & (i < w_s))
+        tl.store(len_ptr + s * BH + bh, n)
 
 
 def _group_reference(scores, n_pages, page_sizes, fraction):
@@ -240,14 +247,15 @@ def _group_reference(scores, n_pages, page_sizes, fraction):
     before = size[order].cumsum(-1) - size[order]  # slots of the pages ranked ahead
     chosen = ((before < slots.unsqueeze(-1) * fraction) | (ranked == math.inf)) & (ranked > -math.inf)
     taken = torch.zeros_like(chosen).scatter_(2, order, chosen)
-    plans, start = [], 0
+    plans, counts, start = [], [], 0
     for x in scores:
         w = x.shape[-1]
-        n = taken[..., start : start + w].sum(-1)  # this store's pages lead its own ranking
+        n = taken[..., start : start + w].sum(-1, dtype=torch.int32)  # this store's pages lead its own ranking
         own = x.argsort(dim=-1, descending=True, stable=True)
         plans.append(torch.where(torch.arange(w, device=d) < n.unsqueeze(-1), own, -1).reshape(-1))
+        counts.append(n)
         start += w
-    return torch.cat(plans)
+    return torch.cat(plans), torch.stack(counts)
 
 
 def _group_launch(scores, n_pages, page_sizes, fraction):
@@ -258,26 +266,29 @@ def _group_launch(scores, n_pages, page_sizes, fraction):
         return _group_reference(scores, n_pages, page_sizes, fraction)
     d = scores[0].device
     out = torch.empty(b * h * w, dtype=torch.int64, device=d)
+    lengths = torch.empty(len(scores), b, h, dtype=torch.int32, device=d)
     off = [sum(widths[: i + 1]) for i in range(_GROUP_STORES - 1)]  # where stores 1.. start (past the last: W)
     size = list(page_sizes) + [1] * (_GROUP_STORES - len(page_sizes))
     check_launchable(_group_kernel, d)
     _group_kernel[(b * h,)](
-        torch.cat(scores, -1).contiguous(), torch.stack(n_pages).contiguous(), out, w, b * h, fraction, *off, *size,
-        NS=len(scores), BLOCK=max(16, next_power_of_2(w)),
+        torch.cat(scores, -1).contiguous(), torch.stack(n_pages).contiguous(), out, lengths, w, b * h, fraction, *off,
+        *size, NS=len(scores), BLOCK=max(16, next_power_of_2(w)),
     )  # fmt: skip
-    return out
+    return out, lengths
 
 
 quest_group_select = torch.library.custom_op(
     "pikv::quest_group_select", _group_launch, mutates_args=(), device_types="cuda",
-    schema="(Tensor[] scores, Tensor[] n_pages, int[] page_sizes, float fraction) -> Tensor",
+    schema="(Tensor[] scores, Tensor[] n_pages, int[] page_sizes, float fraction) -> (Tensor, Tensor)",
 )  # fmt: skip
 quest_group_select.__doc__ = """``torch.ops.pikv.quest_group_select(scores, n_pages, page_sizes, fraction)``: one
 Quest budget over several stores (``scores[s]`` ``[B, H, W_s]`` float32 from ``quest_scores``, ``n_pages[s]``
 ``[B, H]`` pages in use, ``page_sizes[s]`` slots per page): pages are taken by descending score over all stores (ties
 to the earlier store, then page) while the slots of the pages ranked ahead stay under ``fraction`` of the slots of
-every stored page, ``+inf`` pages always, ``-inf`` never. -> flat int64 ``[sum_s B * H * W_s]``: store ``s``'s plan
-``[B, H, W_s]`` (its taken pages in its own descending order, ``-1`` after) at offset ``B * H * sum_{r<s} W_r``."""
+every stored page, ``+inf`` pages always, ``-inf`` never. -> ``(plans, lengths)``: flat int64
+``[sum_s B * H * W_s]``, store ``s``'s plan ``[B, H, W_s]`` (its taken pages in its own descending order, ``-1``
+after) at offset ``B * H * sum_{r<s} W_r``, and ``[S, B, H]`` int32, the pages each row takes from each store (they
+lead its plan)."""
 
 
 @quest_group_select.register_kernel("cpu")
@@ -291,4 +302,8 @@ group_select = eager_direct(quest_group_select, _group_launch, _quest_group_sele
 @quest_group_select.register_fake
 def _quest_group_select_fake(scores, n_pages, page_sizes, fraction):
     b, h = scores[0].shape[:2]
-    return scores[0].new_empty(b * h * sum(x.shape[-1] for x in scores), dtype=torch.int64)
+    x = scores[0]
+    return (
+        x.new_empty(b * h * sum(s.shape[-1] for s in scores), dtype=torch.int64),
+        x.new_empty(len(scores), b, h, dtype=torch.int32),
+    )  # fmt: skip

@@ -12,8 +12,8 @@ when its shard is selected, *needed* when full or special; the block's needed pa
 only in the tiles that hold one: the match of a whole tile against every entry at once held 254 registers a thread
 at sm_90 (2 programs of 4 warps per SM), this kernel 63 (8 per SM; ``tests/sm90.registers``; not yet timed on a
 GPU). Output ``pages`` (``[B, H, W]`` local page indices, ``-1`` padded, as ``pikv_hf.read.plan.compact``),
-``page_full`` (``[B, H, W]`` bool, True for a selected shard's page) and ``used`` (``[1]``, the longest row's pages,
-an atomic max over the programs: the CPU path trims the plan's padding to it). The operator is
+``page_full`` (``[B, H, W]`` bool, True for a selected shard's page) and ``lengths`` (``[B, H]``, each row's needed
+pages: the decode kernel's splits divide those, not the frame). The operator is
 ``torch.ops.pikv.routed_plan`` (the torch reference on the CPU, a fake implementation for tracing); it reads no
 value back to the host.
 
@@ -51,7 +51,7 @@ def _special_pages(slot_ptr, spos_ptr, reach_ptr, qpos, start, r, NS, P, e):
 
 @jit
 def _routed_plan_kernel(
-    chosen_ptr, shard_ptr, slot_ptr, spos_ptr, reach_ptr, qpos_ptr, start_ptr, pages_ptr, full_ptr, used_ptr, S, W,
+    chosen_ptr, shard_ptr, slot_ptr, spos_ptr, reach_ptr, qpos_ptr, start_ptr, pages_ptr, full_ptr, len_ptr, S, W,
     NS, P,
     BLOCK: tl.constexpr, TILE: tl.constexpr, BLOCK_NS: tl.constexpr, ENTRIES: tl.constexpr,
 ):  # fmt: skip
@@ -98,7 +98,7 @@ def _routed_plan_kernel(
         tl.store(full_ptr + r * W + at, full.to(tl.uint8), mask=need)
         carry += tl.sum(need.to(tl.int32), 0)
     if lo + BLOCK >= W:  # the last block: carry is the row's needed pages; the rest of its plan is padding
-        tl.atomic_max(used_ptr, carry)
+        tl.store(len_ptr + r, carry)
         for w0 in range((carry // TILE) * TILE, W, TILE):
             ws = w0 + tl.arange(0, TILE)
             rest = (ws >= carry) & (ws < W)
@@ -141,16 +141,15 @@ def routed_plan_reference(
     tuple of torch.Tensor
         ``pages`` ``[B, H, W]`` int64 local indices of the needed pages (a selected shard's, or one holding a special
         entry still read) in frame order, ``-1`` padded; ``page_full`` ``[B, H, W]`` bool, True for the entries
-        that are pages of a selected shard; ``used`` ``[1]`` int32, the needed pages of the row that has most (its
-        plan entries past it are padding in every row).
+        that are pages of a selected shard; ``lengths`` ``[B, H]`` int32, each row's needed pages (its plan entries
+        past them are padding).
     """
     s, w = chosen.shape[-1], shard.shape[-1]
     special = special_page_mask(slots, spos, reach, qpos, start, w, page_size)
     full = F.pad(chosen, (0, 1)).gather(2, shard.long() % (s + 1))  # an unused page (-1) reads column S: False
     need = full | special
     pages = compact(need, w)
-    used = need.sum(-1, dtype=torch.int32).amax().reshape(1) if need.numel() else need.new_zeros(1, dtype=torch.int32)
-    return pages, full.gather(2, pages.clamp(min=0)) & (pages >= 0), used
+    return pages, full.gather(2, pages.clamp(min=0)) & (pages >= 0), need.sum(-1, dtype=torch.int32)
 
 
 def _launch(chosen, shard, slots, spos, reach, qpos, start, page_size):
@@ -159,17 +158,17 @@ def _launch(chosen, shard, slots, spos, reach, qpos, start, page_size):
     dev = shard.device
     pages = torch.empty(b, h, w, dtype=torch.int64, device=dev)
     full = torch.empty(b, h, w, dtype=torch.bool, device=dev)
-    used = torch.zeros(1, dtype=torch.int32, device=dev)
+    lengths = torch.zeros(b, h, dtype=torch.int32, device=dev)
     if b * h * w == 0:
-        return pages, full, used
+        return pages, full, lengths
     check_launchable(_routed_plan_kernel, dev)
     ns = slots.shape[-1]
     _routed_plan_kernel[(b * h, cdiv(w, _BLOCK))](
         chosen.contiguous().view(torch.uint8), shard.contiguous(), slots.contiguous(), spos.contiguous(),
-        reach.contiguous(), qpos, start.contiguous(), pages, full.view(torch.uint8), used, chosen.shape[-1], w, ns,
+        reach.contiguous(), qpos, start.contiguous(), pages, full.view(torch.uint8), lengths, chosen.shape[-1], w, ns,
         page_size, BLOCK=_BLOCK, TILE=_TILE, BLOCK_NS=max(16, next_power_of_2(ns)), ENTRIES=_ENTRIES,
     )  # fmt: skip
-    return pages, full, used
+    return pages, full, lengths
 
 
 routed_plan_op = torch.library.custom_op(
@@ -181,8 +180,8 @@ routed_plan_op = torch.library.custom_op(
 
 @routed_plan_op.register_kernel("cpu")
 def _routed_plan_cpu(*args):
-    pages, full, used = routed_plan_reference(*args)  # pages: a view past a scratch column; returned as its own
-    return pages.clone(memory_format=torch.contiguous_format), full, used
+    pages, full, lengths = routed_plan_reference(*args)  # pages: a view past a scratch column; returned as its own
+    return pages.clone(memory_format=torch.contiguous_format), full, lengths
 
 
 _routed_plan_eager = eager_direct(routed_plan_op, _launch, _routed_plan_cpu)
@@ -192,7 +191,7 @@ _routed_plan_eager = eager_direct(routed_plan_op, _launch, _routed_plan_cpu)
 def _routed_plan_fake(chosen, shard, *rest):
     return (
         shard.new_empty(shard.shape, dtype=torch.int64), shard.new_empty(shard.shape, dtype=torch.bool),
-        shard.new_empty(1, dtype=torch.int32),
+        shard.new_empty(shard.shape[:2], dtype=torch.int32),
     )  # fmt: skip
 
 
@@ -207,7 +206,7 @@ def routed_plan_trimmed(
     page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The plan of :func:`routed_plan` without its padding past the longest row, for eager code on the CPU (it reads
-    that width back to the host): ``pages`` ``[B, H, n]`` (``n``: the ``used`` of :func:`routed_plan`) and
+    that width back to the host): ``pages`` ``[B, H, n]`` (``n``: the largest ``lengths`` of :func:`routed_plan`) and
     ``page_full`` ``[B, H, n]``, None for pages of one token (a special entry's page then holds just that token, so
     every planned page is read whole). Arguments and checks as :func:`routed_plan`."""
     _check(chosen, shard, slots, spos, reach, qpos, start, page_size)
@@ -253,7 +252,7 @@ def routed_plan(
     start: torch.Tensor,
     page_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(pages, page_full, used)`` of a routed read (arguments and results of :func:`routed_plan_reference`), one
+    """``(pages, page_full, lengths)`` of a routed read (arguments and results of :func:`routed_plan_reference`), one
     operator (one kernel on CUDA). Checks shapes only (no host read)."""
     _check(chosen, shard, slots, spos, reach, qpos, start, page_size)
     return _routed_plan_eager(chosen, shard, slots, spos, reach, qpos.reshape(1), start, int(page_size))

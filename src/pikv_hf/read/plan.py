@@ -30,9 +30,11 @@ class ReadPlan:
         The sink count and recent window of partial pages.
     row_start : torch.Tensor or None
         ``[B]`` int64 position of each row's first real token (left padding), the frame in which sinks count.
-    used : torch.Tensor or None
-        ``[1]`` integer: entries in use in the row with most (every row's entries past it are padding), from a policy
-        whose plan is much wider than what it reads (routed: as wide as the frame); the CPU path trims to it.
+    lengths : torch.Tensor or None
+        ``[B, H]`` integer: entries in use in each row, its pages first (the entries past them are padding), where the
+        operator that planned them counted them: the fused kernel's splits divide those (None: counted from
+        ``pages`` where needed), and the CPU path trims a plan to its longest row (routed plans and Quest's over a
+        store group are as wide as the frame and read a fraction of it).
     """
 
     pages: torch.Tensor | None = None
@@ -40,7 +42,7 @@ class ReadPlan:
     n_sink: int = 0
     window: int = 0
     row_start: torch.Tensor | None = None
-    used: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None
 
     @property
     def exact(self) -> bool:

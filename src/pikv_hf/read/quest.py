@@ -63,7 +63,8 @@ class QuestRead(SparseRead):
             # plan: sized by the pages in use instead (a host read, no synchronisation on the CPU)
             w = min(w, int(store.table.n_pages.max()) if store.table.n_pages.numel() else 0)
         width = min(w, math.ceil(f * w))
-        return ReadPlan(kquest.select(score, store.table.n_pages, f, width))
+        pages, lengths = kquest.select(score, store.table.n_pages, f, width)
+        return ReadPlan(pages, lengths=lengths)
 
     def group_plans(
         self, group: StoreGroup, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor
@@ -73,22 +74,14 @@ class QuestRead(SparseRead):
         before them stay under the budget; sink and window pages always."""
         d, stores = group.device, group.stores
         scores = [self.scores(s, qg, qpos, row_start).to(d) for s in stores]
-        flat = kquest.group_select(
+        flat, lengths = kquest.group_select(
             scores, [s.table.n_pages.to(d) for s in stores], [s.page_size for s in stores], self.config.read_fraction
         )
         plans, start = [], 0
-        for s, x in zip(stores, scores, strict=True):  # each store's plan: a contiguous [B, H, W] view of the output
+        for i, (s, x) in enumerate(zip(stores, scores, strict=True)):  # each plan: a [B, H, W] view of the output
             n = x.numel()
             pages = flat[start : start + n].view(x.shape).to(s.device)
-            plans.append(ReadPlan(pages, used=_used(pages)))
+            # each row's count: the read of a 4-bit tier takes the pages Quest took from it, not the whole frame
+            plans.append(ReadPlan(pages, lengths=lengths[i].to(s.device)))
             start += n
         return plans
-
-
-def _used(pages: torch.Tensor) -> torch.Tensor | None:
-    """``ReadPlan.used`` of a group plan (each row's pages first, as wide as the store's frame), on the CPU outside
-    compiled code, where the read trims the padding (``attention.backend.trimmed``): a Quest + 4-bit read of 8k tokens
-    would otherwise attend the whole 4-bit tier with all but an eighth masked; elsewhere None (no operator)."""
-    if pages.device.type != "cpu" or torch.compiler.is_compiling():
-        return None
-    return (pages >= 0).sum(-1).amax().view(1)

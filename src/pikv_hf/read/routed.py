@@ -117,14 +117,14 @@ class RoutedRead(SparseRead):
         cfg = self.config
         marks = store.special_slots(cfg.n_sink, cfg.window, row_start)
         args = (chosen, store.frame("shard"), marks.slots, marks.pos, marks.reach, qpos, store.table.start)
-        used = None
+        lengths = None
         if chosen.device.type == "cpu" and runs_eagerly(chosen):
             pages, page_full = routed_plan_trimmed(*args, store.page_size)
         else:
-            pages, page_full, used = routed_plan(*args, store.page_size)
+            pages, page_full, lengths = routed_plan(*args, store.page_size)
         if store.page_size == 1:  # a sink or window page holds just that token: every planned page is read whole
-            return ReadPlan(pages, used=used)
-        return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start, used)
+            return ReadPlan(pages, lengths=lengths)
+        return ReadPlan(pages, page_full, cfg.n_sink, cfg.window, row_start, lengths)
 
     def learns(self) -> bool:
         return type(self.selector).update is not Selector.update

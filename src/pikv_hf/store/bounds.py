@@ -43,9 +43,10 @@ def _fold(key_min: torch.Tensor, key_max: torch.Tensor, page: torch.Tensor, keys
     key_max.scatter_reduce_(0, idx, k, "amax")
 
 
-# A compiled step on CUDA folds through this operator, opaque to inductor (``_triton.traced_as_operator``): traced,
-# the two scatters into the bound fields (graph inputs) were compiled into copies of both whole fields per layer and
-# step (an H100 profile of a compiled Quest step: four field-sized kernels per layer); the operator runs them in
-# place. On the CPU inductor's own code writes in place.
+# A compiled append of several tokens on CUDA folds through this operator, opaque to inductor
+# (``_triton.traced_as_operator``): traced, the two scatters into the bound fields (graph inputs) were compiled into
+# copies of both whole fields per layer and step (an H100 profile of a compiled Quest step: four field-sized kernels
+# per layer); the operator runs them in place. On the CPU inductor's own code writes in place. A decode token's bounds
+# are folded by the append operator itself (``pikv_hf.kernels.append``).
 _fold_op = torch.library.custom_op("pikv::fold_page_bounds", _fold, mutates_args=("key_min", "key_max"))
 _fold_op.register_fake(lambda key_min, key_max, page, keys: None)

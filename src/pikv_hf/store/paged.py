@@ -302,32 +302,40 @@ class PagedStore:
         each row's token ordinal (``pos - row_start``, ``row_start`` ``[B]`` or None: 0); ``pos`` ``[1]``: the tokens'
         sequence position (``position``: the same as a host int, when known and every row counts from 0). Slot
         assignment and the writes of the token, its page's shard, the shard's count and (once kept) key statistics
-        are one operator (``pikv_hf.kernels.append``: one kernel launch on CUDA); a codec's encoding, slot statistics
-        and Quest's page bounds follow. Returns ``[B, H, 1]`` flat slots."""
+        are one operator (``pikv_hf.kernels.append``: one kernel launch on CUDA), with Quest's page bounds once kept
+        and the token's entry among the recent ones of the special slots once found; a codec's encoding and slot
+        statistics follow. Returns ``[B, H, 1]`` flat slots."""
         if grow:
             self._reserve_one(shard is None, position)
         t, pool = self.table, self.pool
         sums = self.stats.key_stats() if self._summarised else (None,) * 4
         identity = isinstance(self.codec, IdentityCodec)
+        bounds = (pool["key_min"], pool["key_max"]) if self.page_bounds_kept else (None, None)
+        marks = self._marks
+        ring = (marks.slots, marks.pos, marks.n_sink, marks.window) if marks and marks.window else (None, None, 0, 0)
         slot = append_one(
             t.open_page, t.open_fill, t.n_pages, t.start, None if grow else t.cap,
             None if shard is None else shard.squeeze(-1), row_start, pos, keys.squeeze(2), values.squeeze(2),
             pool["keys"] if identity else None, pool["values"] if identity else None,
-            pool["pos"], pool["valid"], pool["bias"], pool["shard"], self.stats.count, *sums,
+            pool["pos"], pool["valid"], pool["bias"], pool["shard"], self.stats.count, *sums, *bounds, *ring,
         ).unsqueeze(-1)  # fmt: skip
         k, v = keys.reshape(-1, self.k_dim), values.reshape(-1, self.v_dim)
-        self._write_tokens(slot.view(-1), k, v, pos, kv_written=identity)
-        if self._marks is not None:
-            self._marks.push(slot, pos, False)
+        self._write_tokens(slot.view(-1), k, v, pos, kv_written=identity, bounds_written=True)
         return slot
 
     def _write_tokens(
-        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kv_written: bool
+        self,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: torch.Tensor,
+        kv_written: bool,
+        bounds_written: bool = False,
     ) -> None:
         """What an append writes past the slot bookkeeping, for tokens at flat ``slots`` (``[M]``), keys / values
         ``[M, D]`` and positions ``pos`` (``[M]``, or ``[1]`` for all): their codec's fields (a page-level codec
         re-encodes their pages; ``kv_written``: identity K/V already written), slot statistics (inserting a token
-        counts as its last access) and Quest's page bounds."""
+        counts as its last access) and Quest's page bounds (unless ``bounds_written``)."""
         if self.codec.page_level:
             append_to_pages(self.pool, self.codec, self.kv_fields, slots, k, v, self.page_heads())
         elif not kv_written:
@@ -336,7 +344,7 @@ class PagedStore:
         for name in self.stat_fields:
             fresh = pos.expand(slots.numel()) if name == "last_access" else torch.zeros_like(slots)
             self.pool.write(name, slots, fresh)
-        if self.page_bounds_kept:
+        if self.page_bounds_kept and not bounds_written:
             fold_page_bounds(self.pool, slots.div(self.page_size, rounding_mode="floor"), k)
 
     def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> SpecialSlots:
