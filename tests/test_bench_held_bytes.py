@@ -57,18 +57,17 @@ def test_each_way_holds_what_it_must(points):
 
 def test_the_summaries_are_the_tensors_each_way_selects_from(points):
     """The summary parts, measured on the tensors by the attribute holding them, against their sizes from the shapes:
-    float32 sums and squares of 256 shards x head dim in every store of a routed layer (the dense first layer keeps
-    none; H2O's offload tier keeps its own), the placement's float32 centroids in every layer, Quest's two bounds of
-    every page of 16 tokens in the keys' bfloat16 (pages of 64 over 4-bit codes: float32)."""
+    float32 sums and squares of 256 shards x head dim once per routed layer (the dense first layer keeps none; H2O's
+    offload tier keeps none: the hot store's count its tokens too), the placement's float32 centroids in every layer,
+    Quest's two bounds of every page of 16 tokens in the keys' bfloat16 (pages of 64 over 4-bit codes: float32)."""
     shapes, got, ways = points
     for shape, s in shapes.items():
         per_layer = 4 * 256 * s["head_dim"] * s["kv_heads"]  # one float32 [S, D] per KV head
         for way, spec in ways.items():
             p = got[shape, way]
             routed = spec["cache"].get("attention") == "routed"
-            stores = 2 if way == "h2o_offload_routed" else 1
             sparse_layers = s["layers"] - spec["cache"].get("dense_layers", 0)
-            assert p["shard_stats_bytes"] == (2 * per_layer * sparse_layers * stores if routed else 0), (shape, way)
+            assert p["shard_stats_bytes"] == (2 * per_layer * sparse_layers if routed else 0), (shape, way)
             assert p["centroids_bytes"] == (per_layer * s["layers"] if routed else 0), (shape, way)
             assert p["centroids_bytes"] <= p["other_bytes"]
             assert p["shard_stats_bytes"] + p["page_bounds_bytes"] <= p["meta_bytes"]

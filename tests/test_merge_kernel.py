@@ -101,11 +101,12 @@ for kernel, const, warps in cases:
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
-    """The CUDA front end types what the interpreter does not check: the merge kernel, Quest's group selection kernel
-    (two and four stores), its selection of one store (2048 pages) and its score kernel (an 8B model's shape: 4 query rows per KV head, head dim 128, pages of
-    16, 68 sink and window entries) compile for sm_90 in a subprocess without ``TRITON_INTERPRET``. The score kernel,
-    launched with ``_SCORES_WARPS`` warps, holds at most 128 registers a thread without spilling (16 warps per SM;
-    with 4 warps its key min / max tiles took 254, 8 warps per SM)."""
+    """The CUDA front end types what the interpreter does not check: the merge kernel, Quest's group selection
+    kernel (two and four stores), its selection of one store (2048 pages) and its score kernel (an 8B model's shape:
+    4 query rows per KV head, head dim 128, pages of 16, 68 sink and window entries) compile for sm_90 in a
+    subprocess without ``TRITON_INTERPRET``. The score kernel, launched with ``_SCORES_WARPS`` warps, holds at most
+    128 registers a thread without spilling (16 warps per SM; with 4 warps its key min / max tiles took 254, 8 warps
+    per SM)."""
     built = [line.split() for line in run_without_interpreter(_COMPILE_SM90).splitlines()]
     assert [name for name, _, _ in built] == [
         "_merge_kernel", "_group_kernel", "_group_kernel", "_select_kernel", "_scores_kernel"

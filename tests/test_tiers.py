@@ -75,3 +75,68 @@ def test_offload_checks_its_arguments_before_creating_the_tier():
     with pytest.raises(ValueError, match="target must be one of cpu, disk, got 'gpu'"):
         layer.offload_tokens(view, good, "gpu")
     assert not layer.tiers and int(st.tokens_per_shard().sum()) == B * H * (T + 1)
+
+
+def _frame_moments(stores, num_shards: int):
+    """Float64 key sums, squares, min and max per (row, head, shard) over the valid tokens of every store's frame."""
+    sums = torch.zeros(B, H, num_shards, D, dtype=torch.float64)
+    squares = torch.zeros_like(sums)
+    low, high = torch.full_like(sums, float("inf")), torch.full_like(sums, -float("inf"))
+    for st in stores:
+        keys = st.frame_kv()[0].double()
+        valid = st.frame("valid")
+        shard = st.frame("shard").long().repeat_interleave(st.page_size, dim=-1)
+        for b in range(B):
+            for h in range(H):
+                for k, s in zip(keys[b, h][valid[b, h]], shard[b, h][valid[b, h]].tolist(), strict=True):
+                    sums[b, h, s] += k
+                    squares[b, h, s] += k * k
+                    low[b, h, s] = torch.minimum(low[b, h, s], k)
+                    high[b, h, s] = torch.maximum(high[b, h, s], k)
+    return sums, squares, low, high
+
+
+@pytest.mark.parametrize("selector", ["topk", "topk_balanced"])  # one operator over sums; a summary with bounds
+def test_the_hot_store_keeps_the_shard_statistics_of_every_store_once(selector):
+    """With a tier, the layer's shard key sums, squares and bounds are kept once, in the hot store, over the tokens of
+    both stores (the tier counts its own tokens only): after a move, decode steps and a crop they are those of the
+    two frames together, the counts are the sum of the stores' own, and the summary the selector reads has them."""
+    read = dict(attention="routed", top_k_shards=2, n_sink=2, window=4, selector=selector)
+    cache, layer, keys, values = _layer(True, **read)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        layer.attend(torch.randn(B, H * G, 1, D, generator=gen), D**-0.5, None, None)
+        cache.update(torch.randn(B, H, 1, D, generator=gen), torch.randn(B, H, 1, D, generator=gen), 0)
+    hot, tier = layer.stores.hot, layer.stores.tiers["cold"]
+    assert tier.stats.sum is None and tier.stats.min is None  # counts only
+    for cropped in (False, True):
+        if cropped:
+            cache.crop(50)
+        group = layer.stores.group()
+        summary = group.summary(torch.zeros(B, H, 4, dtype=torch.int64))
+        sums, squares, counts = group.key_stats()
+        want_sums, want_squares, low, high = _frame_moments([hot, tier], 4)
+        assert torch.equal(counts, hot.stats.count + tier.stats.count)
+        per_shard = torch.stack([torch.bincount(s, minlength=4) for s in _shards(hot, tier)]).view(B, H, 4)
+        assert torch.equal(counts, per_shard)
+        assert torch.allclose(sums.double(), want_sums, atol=1e-5)
+        assert torch.allclose(squares.double(), want_squares, atol=1e-4)
+        assert torch.allclose(summary.centroids.double() * counts.clamp(min=1).unsqueeze(-1), want_sums, atol=1e-5)
+        filled = counts > 0
+        # bounds hold every key (exactly, until a crop removed keys: then they may bound a superset)
+        assert bool((summary.key_min.double()[filled] <= low[filled]).all())
+        assert bool((summary.key_max.double()[filled] >= high[filled]).all())
+        if not cropped:
+            assert torch.equal(summary.key_min.double()[filled], low[filled])
+
+
+def _shards(*stores):
+    """Per (row, head), the shard of every valid token of ``stores``."""
+    out = []
+    for b in range(B):
+        for h in range(H):
+            out.append(torch.cat([
+                st.frame("shard").long().repeat_interleave(st.page_size, dim=-1)[b, h][st.frame("valid")[b, h]]
+                for st in stores
+            ]))  # fmt: skip
+    return out

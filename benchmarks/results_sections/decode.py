@@ -450,5 +450,6 @@ def ops_per_step(rec: Recorder) -> Body:
         "to its longest row before the gather; a count on the CPU, where nothing waits for a device); the CUDA path "
         "makes none. Its counts match the H100's profile: at 7c04f95 this count gave routed 1.29x and Quest 1.37x "
         "DynamicCache's where the H100 launched 1.28x and 1.33x its kernels (8 layers). H2O + "
-        "offload + routed (no goal in issue 31) selects over its two tiers in one operator (`StoreGroup.key_stats`).",
+        "offload + routed (no goal in issue 31) selects in one operator from the hot store's key sums, which count "
+        "the offload tier's tokens too (`StoreGroup.key_stats`).",
     )

@@ -51,10 +51,10 @@ class RoutedRead(SparseRead):
         if self.misses is None or self.misses.shape[:2] != (group.batch, group.heads):  # before a compiled step
             shape = (group.batch, group.heads, group.num_shards)
             self.misses = torch.zeros(shape, dtype=torch.int64, device=group.device)
-        if all(s.summaries_kept for s in group.stores):  # sums an eviction left stale: recounted here, not in a step
+        hot = group.stores[0]
+        if hot.summaries_kept:  # sums an eviction left stale (kept in the hot store): recounted here, not in a step
             if self._plain():
-                for store in group.stores:
-                    store.shard_stats()
+                hot.shard_stats()
             else:
                 group.summary(self.misses)
 

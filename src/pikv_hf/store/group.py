@@ -4,7 +4,9 @@ A tier is a ``PagedStore`` of its own (its own codec and device): an offload tie
 (or on disk) instead of dropping them, a compressed tier holds sealed pages in a compressed codec. Every token lives
 in exactly one store, so attention over the layer is the exact log-sum-exp merge of one partial per store, and a
 routed selection reads the shard statistics of all stores together (``StoreGroup.summary``): a shard is resident
-when none of its tokens sits in an offloaded store.
+when none of its tokens sits in an offloaded store. The key sums, squares and bounds of the layer's shards are kept
+once, in the hot store, over the tokens of every store (``PagedStore.summed_with``: a tier receives its tokens from
+the hot store, so a move changes no sum), and each store keeps its own counts.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.store.paged import PagedStore
+from pikv_hf.store.summary import shard_moments
 
 
 class StoreGroup:
@@ -29,36 +32,37 @@ class StoreGroup:
         self.batch, self.heads, self.num_shards, self.device = hot.batch, hot.heads, hot.num_shards, hot.device
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
-        parts = [s.summary(misses.to(s.device)) for s in self.stores]
-        if len(parts) == 1:
-            return parts[0]
-        d = self.device
-        counts = sum(p.counts.to(d) for p in parts)
-        n = counts.clamp(min=1).unsqueeze(-1)
-        total = sum(p.centroids.to(d) * p.counts.to(d).unsqueeze(-1) for p in parts)
-        square = sum((p.key_var.to(d) + p.centroids.to(d).square()) * p.counts.to(d).unsqueeze(-1) for p in parts)
-        centroids = total / n
-        away = sum(s.stats.count.to(d) for s in self.offloaded)
+        """The shards of every store as a selector sees them: centroids, variances and bounds from the hot store's
+        statistics (over every store's tokens), counts summed over the stores, resident where no token is
+        offloaded."""
+        hot = self.stores[0]
+        if len(self.stores) == 1:
+            return hot.summary(misses)
+        st = hot.shard_stats(bounds=True)
+        counts = self._counts()
+        centroids, key_var = shard_moments(st.sum, st.sq, counts)
+        away = sum(s.stats.count.to(self.device) for s in self.offloaded)
         return ShardSummary(
             centroids=centroids,
             counts=counts,
-            key_min=torch.stack([p.key_min.to(d) for p in parts]).amin(0),
-            key_max=torch.stack([p.key_max.to(d) for p in parts]).amax(0),
+            key_min=st.min,
+            key_max=st.max,
             resident=(away == 0) if isinstance(away, torch.Tensor) else torch.ones_like(counts, dtype=torch.bool),
             misses=misses,
-            key_var=(square / n - centroids.square()).clamp(min=0),
+            key_var=key_var,
         )
 
     def key_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(sums, squares, counts)`` of every shard's keys over all stores, on the group's device (``[B, H, S, D]``
-        float32 twice, ``[B, H, S]``; one store: its own tensors): what the top-k centroid selection reads, without
-        the key bounds :meth:`summary` computes and keeps in every store."""
-        parts = [s.shard_stats().sums_and_counts() for s in self.stores]
-        if len(parts) == 1:
-            return parts[0]
-        sums, squares, counts = (sum(p[i].to(self.device) for p in parts) for i in range(3))
-        return sums, squares, counts
+        float32 twice, ``[B, H, S]``): what the top-k centroid selection reads, without the key bounds
+        :meth:`summary` keeps: the hot store's sums and squares (over every store's tokens) and the counts of all."""
+        sums, squares, counts = self.stores[0].shard_stats().sums_and_counts()
+        return sums, squares, counts if len(self.stores) == 1 else self._counts()
+
+    def _counts(self) -> torch.Tensor:
+        """``[B, H, S]`` valid tokens per shard over every store, on the group's device."""
+        return sum(s.stats.count.to(self.device) for s in self.stores)
 
     def tokens_per_shard(self) -> torch.Tensor:
-        """``[B, H, S]`` valid tokens per shard over every store."""
-        return sum(s.tokens_per_shard().to(self.device) for s in self.stores)
+        """``[B, H, S]`` valid tokens per shard over every store (a copy)."""
+        return self._counts() if len(self.stores) > 1 else self.stores[0].tokens_per_shard()

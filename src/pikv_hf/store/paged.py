@@ -114,6 +114,9 @@ class PagedStore:
         self._reserved = 0  # capacity every run keeps through re-packs (reserve)
         self.repacks = 0  # re-packs so far (evictions, crops, moves to a tier)
         self._marks: SpecialSlots | None = None  # the sink and recent-window slots (special_slots), kept on appends
+        # stores whose tokens this store's shard key sums, squares and bounds count too: a layer's tiers, which
+        # receive their tokens from this store (LayerStores.tier); every recount reads their pages as well
+        self.summed_with: list[PagedStore] = []
 
     @property
     def batch(self) -> int:
@@ -493,13 +496,16 @@ class PagedStore:
             self._summarised = True
 
     def _recount(self, bounds: bool) -> None:
-        t = self.table
-        run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(t.cap.reshape(-1))
-        keys = self._decoded()[0]
-        shard = self.pool["shard"].long().clamp(min=0)
-        self.stats.recount(run * self.num_shards + shard, keys, self.pool["valid"], bounds=bounds)
+        self.stats.recount([s.shard_pages() for s in (self, *self.summed_with)], bounds=bounds)
         self._sums_stale = False
         self._bounds_stale &= not bounds
+
+    def shard_pages(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a recount of shard key statistics reads: the flat ``(row, head, shard)`` id of every pool page
+        (``[N]``), its decoded keys (``[N, P, Dk]``) and valid slots (``[N, P]``)."""
+        run = torch.arange(self.batch * self.heads, device=self.device).repeat_interleave(self.table.cap.reshape(-1))
+        shard = self.pool["shard"].long().clamp(min=0)
+        return run * self.num_shards + shard, self._decoded()[0], self.pool["valid"]
 
     @property
     def summaries_kept(self) -> bool:
@@ -509,7 +515,8 @@ class PagedStore:
     def shard_stats(self, bounds: bool = False) -> ShardStats:
         """The per-shard key statistics (kept from the first call on, see :meth:`keep_summaries`; the sums recounted
         first after an eviction re-packed the pages); ``bounds``: with the shard min / max, computed from the pages
-        in the same pass the first time they are asked for."""
+        in the same pass the first time they are asked for. With tiers (``summed_with``) the sums, squares and
+        bounds are those of the layer's tokens in every store; the counts stay this store's own."""
         first_bounds = bounds and not self.stats.bounds_kept
         if not self._summarised or self._sums_stale or first_bounds:
             self._recount(bounds=first_bounds or (self._bounds_stale and self.stats.bounds_kept))
@@ -518,7 +525,9 @@ class PagedStore:
 
     def summary(self, misses: torch.Tensor) -> ShardSummary:
         """The shard summaries a selector reads, from :meth:`shard_stats` with bounds (computed from the pages at the
-        first call, kept incrementally afterwards)."""
+        first call, kept incrementally afterwards); a store with tiers is summarised with them (``StoreGroup``)."""
+        if self.summed_with:
+            raise RuntimeError("this store's shard sums count its tiers' tokens too: read StoreGroup.summary")
         return self.shard_stats(bounds=True).summary(misses)
 
     def tokens_per_shard(self) -> torch.Tensor:

@@ -78,22 +78,31 @@ class ShardStats:
             self.min.view(-1, d).scatter_reduce_(0, idx, k, "amin")
             self.max.view(-1, d).scatter_reduce_(0, idx, k, "amax")
 
-    def recount(self, bhs: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, bounds: bool = False) -> None:
-        """Recompute sums and squares from pages: ``keys`` ``[N, P, Dk]``, ``valid`` ``[N, P]`` and the flat
-        ``(row, head, shard)`` id of each page ``bhs`` ``[N]``. Counts are the caller's; min / max are kept (after a
-        removal they still bound the keys) unless ``bounds`` asks for them anew (allocating them if not kept)."""
+    def recount(self, pages: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], bounds: bool = False) -> None:
+        """Recompute sums and squares from the pages of one or more stores, each ``(bhs, keys, valid)``: the flat
+        ``(row, head, shard)`` id of each page ``[N]``, its keys ``[N, P, Dk]`` and valid slots ``[N, P]``, on any
+        device (each store's part is taken there, then added here). Counts are the caller's; min / max are kept
+        (after a removal they still bound the keys) unless ``bounds`` asks for them anew (allocating them if not
+        kept)."""
         self._keep_keys()
-        k = keys.float() * valid.unsqueeze(-1)
-        d = k.shape[-1]
-        self.sum.zero_().view(-1, d).index_add_(0, bhs, k.sum(1))
-        self.sq.zero_().view(-1, d).index_add_(0, bhs, (k * k).sum(1))
+        self.sum.zero_()
+        self.sq.zero_()
         if bounds:
             self.keep_bounds()
-            idx = bhs.unsqueeze(-1).expand(-1, d)
-            lo = k.masked_fill(~valid.unsqueeze(-1), float("inf")).amin(1)
-            hi = k.masked_fill(~valid.unsqueeze(-1), float("-inf")).amax(1)
-            self.min.fill_(float("inf")).view(-1, d).scatter_reduce_(0, idx, lo, "amin")
-            self.max.fill_(float("-inf")).view(-1, d).scatter_reduce_(0, idx, hi, "amax")
+            self.min.fill_(float("inf"))
+            self.max.fill_(float("-inf"))
+        d, dev = self.k_dim, self.sum.device
+        for bhs, keys, valid in pages:
+            k = keys.float() * valid.unsqueeze(-1)
+            at = bhs.to(dev)
+            self.sum.view(-1, d).index_add_(0, at, k.sum(1).to(dev))
+            self.sq.view(-1, d).index_add_(0, at, (k * k).sum(1).to(dev))
+            if bounds:
+                idx = at.unsqueeze(-1).expand(-1, d)
+                lo = k.masked_fill(~valid.unsqueeze(-1), float("inf")).amin(1).to(dev)
+                hi = k.masked_fill(~valid.unsqueeze(-1), float("-inf")).amax(1).to(dev)
+                self.min.view(-1, d).scatter_reduce_(0, idx, lo, "amin")
+                self.max.view(-1, d).scatter_reduce_(0, idx, hi, "amax")
 
     def index_batch(self, index: torch.Tensor) -> None:
         for name in ("count", *self._KEY_STATS):

@@ -25,13 +25,11 @@ class LayerStores:
     def __init__(self, hot: PagedStore) -> None:
         self.hot = hot
         self.tiers: dict[str, PagedStore] = {}
-        self.summarised = False  # keep shard summaries in every store (a routed read selects from them)
 
     def keep_summaries(self) -> None:
-        """Keep shard summaries in every store, the tiers made later included."""
-        self.summarised = True
-        for st in self.all():
-            st.keep_summaries()
+        """Keep shard summaries from now on: in the hot store, over the tokens of every store (its tiers, the ones
+        made later included, count their own tokens only: ``StoreGroup``)."""
+        self.hot.keep_summaries()
 
     def all(self) -> list[PagedStore]:
         """The hot store, then the tiers."""
@@ -61,8 +59,7 @@ class LayerStores:
                 st.batch, st.heads, st.k_dim, st.v_dim, st.num_shards, page_size or st.page_size, st.dtype,
                 torch.device(device) if device is not None else st.device, codec=codec, storage=storage,
             )  # fmt: skip
-            if self.summarised:
-                self.tiers[name].keep_summaries()
+            st.summed_with.append(self.tiers[name])  # its tokens arrive from the hot store, whose sums keep them
         return self.tiers[name]
 
     def move(self, name: str, keep: torch.Tensor, pool_tails: bool = False) -> torch.Tensor:
