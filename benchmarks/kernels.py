@@ -213,14 +213,13 @@ def split_sweep(
     difference from the backend's read ``want``, beside the host's automatic choice (``auto_splits``)."""
     table, pool = store.table, store.pool
 
-    def read(splits: int) -> torch.Tensor:
-        common = dict(lengths=table.n_pages, num_splits=splits, check=False)
+    def read(splits: int) -> torch.Tensor:  # each run's pages in order, no table (as the backend reads them)
+        common = dict(lengths=table.n_pages, num_splits=splits, check=False, run_start=table.start, width=table.width())
         if store.kv_fields == ("keys", "values"):
             kv = (pool["keys"], pool["values"], pool["pos"], pool["valid"])
-            return decode_attention(query, *kv, None, qpos, scale, run_start=table.start, width=table.width(),
-                                    **common)[0]  # fmt: skip
+            return decode_attention(query, *kv, None, qpos, scale, **common)[0]
         quant = QuantPages(*(pool[name] for name in QUANT_FIELDS), bits=store.codec.bits)
-        return decode_attention_quant(query, quant, pool["pos"], pool["valid"], table.pages(), qpos, scale, **common)[0]
+        return decode_attention_quant(query, quant, pool["pos"], pool["valid"], None, qpos, scale, **common)[0]
 
     runs = []
     for splits in args.split_sweep:
