@@ -166,9 +166,9 @@ def append_one_reference(
         local = torch.minimum(local, cap.unsqueeze(-1) - 1)
     slot = ((start.unsqueeze(-1) + local) * p + offset).squeeze(-1)  # [B, H]
     if ring_slots is not None:
-        entry = (n_sink + pos.view(1, 1, 1).to(torch.int64) % window).expand(b, h, 1)
-        ring_slots.scatter_(2, entry, slot.unsqueeze(-1))
-        ring_pos.scatter_(2, entry, pos.view(1, 1, 1).to(torch.int64).expand(b, h, 1))
+        at = pos.view(1, 1, 1).to(torch.int64).expand(b, h, 1)
+        ring_slots.scatter_(2, n_sink + at % window, slot.unsqueeze(-1))
+        ring_pos.scatter_(2, n_sink + at % window, at)
     flat = slot.reshape(-1)
     if key_pool is not None:
         key_pool.view(-1, key_pool.shape[-1]).index_copy_(0, flat, key.reshape(-1, key.shape[-1]))

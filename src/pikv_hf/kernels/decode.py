@@ -33,7 +33,7 @@ import torch
 
 from pikv_hf.attention.reference import allowed_mask, masked_attention
 from pikv_hf.kernels._host import cdiv, check_pages_in_range, expect, next_power_of_2
-from pikv_hf.kernels._triton import HAVE_TRITON, check_launchable, interpreted, jit, tl, triton
+from pikv_hf.kernels._triton import HAVE_TRITON, check_launchable, interpreted, jit, runs_eagerly, tl, triton
 from pikv_hf.kernels.gather import gather_pages_reference
 
 _INT = (torch.int32, torch.int64)
@@ -693,15 +693,10 @@ def check_decode_args(
 
 
 def launches_directly(query: torch.Tensor, kernel: Any) -> bool:
-    """Whether an eager call launches ``kernel`` itself rather than through its operator: the kernel runs on the
-    query's tensors (CUDA, or the interpreter) and nothing traces the call (``torch.compile``, a dispatch mode such as
-    fake tensors)."""
-    return (
-        not torch.compiler.is_compiling()
-        and type(query) is torch.Tensor
-        and (query.is_cuda or interpreted(kernel))
-        and not torch._C._len_torch_dispatch_stack()
-    )
+    """Whether an eager call launches ``kernel`` itself rather than through its operator: nothing traces the call
+    (``runs_eagerly``: no ``torch.compile``, no dispatch mode such as fake tensors) and the kernel runs on the query's
+    tensors (CUDA, or the interpreter)."""
+    return runs_eagerly(query) and (query.is_cuda or interpreted(kernel))
 
 
 def run_decode(

@@ -158,9 +158,9 @@ def _launch(chosen, shard, slots, spos, reach, qpos, start, page_size):
     dev = shard.device
     pages = torch.empty(b, h, w, dtype=torch.int64, device=dev)
     full = torch.empty(b, h, w, dtype=torch.bool, device=dev)
-    lengths = torch.zeros(b, h, dtype=torch.int32, device=dev)
+    lengths = torch.empty(b, h, dtype=torch.int32, device=dev)  # each row's last block writes its count
     if b * h * w == 0:
-        return pages, full, lengths
+        return pages, full, lengths.zero_()
     check_launchable(_routed_plan_kernel, dev)
     ns = slots.shape[-1]
     _routed_plan_kernel[(b * h, cdiv(w, _BLOCK))](
