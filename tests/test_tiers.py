@@ -78,7 +78,8 @@ def test_offload_checks_its_arguments_before_creating_the_tier():
 
 
 def _frame_moments(stores, num_shards: int):
-    """Float64 key sums, squares, min and max per (row, head, shard) over the valid tokens of every store's frame."""
+    """Valid tokens and float64 key sums, squares, min and max per (row, head, shard) over every store's frame."""
+    counts = torch.zeros(B, H, num_shards, dtype=torch.int64)
     sums = torch.zeros(B, H, num_shards, D, dtype=torch.float64)
     squares = torch.zeros_like(sums)
     low, high = torch.full_like(sums, float("inf")), torch.full_like(sums, -float("inf"))
@@ -89,11 +90,12 @@ def _frame_moments(stores, num_shards: int):
         for b in range(B):
             for h in range(H):
                 for k, s in zip(keys[b, h][valid[b, h]], shard[b, h][valid[b, h]].tolist(), strict=True):
+                    counts[b, h, s] += 1
                     sums[b, h, s] += k
                     squares[b, h, s] += k * k
                     low[b, h, s] = torch.minimum(low[b, h, s], k)
                     high[b, h, s] = torch.maximum(high[b, h, s], k)
-    return sums, squares, low, high
+    return counts, sums, squares, low, high
 
 
 @pytest.mark.parametrize("selector", ["topk", "topk_balanced"])  # one operator over sums; a summary with bounds
@@ -115,9 +117,8 @@ def test_the_hot_store_keeps_the_shard_statistics_of_every_store_once(selector):
         group = layer.stores.group()
         summary = group.summary(torch.zeros(B, H, 4, dtype=torch.int64))
         sums, squares, counts = group.key_stats()
-        want_sums, want_squares, low, high = _frame_moments([hot, tier], 4)
+        per_shard, want_sums, want_squares, low, high = _frame_moments([hot, tier], 4)
         assert torch.equal(counts, hot.stats.count + tier.stats.count)
-        per_shard = torch.stack([torch.bincount(s, minlength=4) for s in _shards(hot, tier)]).view(B, H, 4)
         assert torch.equal(counts, per_shard)
         assert torch.allclose(sums.double(), want_sums, atol=1e-5)
         assert torch.allclose(squares.double(), want_squares, atol=1e-4)
@@ -129,14 +130,3 @@ def test_the_hot_store_keeps_the_shard_statistics_of_every_store_once(selector):
         if not cropped:
             assert torch.equal(summary.key_min.double()[filled], low[filled])
 
-
-def _shards(*stores):
-    """Per (row, head), the shard of every valid token of ``stores``."""
-    out = []
-    for b in range(B):
-        for h in range(H):
-            out.append(torch.cat([
-                st.frame("shard").long().repeat_interleave(st.page_size, dim=-1)[b, h][st.frame("valid")[b, h]]
-                for st in stores
-            ]))  # fmt: skip
-    return out
