@@ -11,8 +11,9 @@ tensors:
   ``offloaded_nbytes``);
 * ``meta``: the stores' positions, valid bits, masks, page shard ids and key bounds, page tables and shard key sums
   (``meta_nbytes``);
-* ``workspace``: the torch backend's CPU gather scratch, one buffer per field shared by all layers (as large as the
-  largest read of one layer; on CUDA a gather allocates its output instead);
+* ``workspace``: the torch backend's CPU scratch, shared by all layers: one gather buffer per field (as large as the
+  largest read of one layer) and, for a quantised store, one code field's uint8 and float32 conversion buffers (on
+  CUDA a gather allocates its output instead);
 * ``other``: the rest (the key-cluster placement's centroids and counts, read and routing state);
 * of these, the summaries a sparse read selects from, which grow with the shards or pages and not with the tokens:
   ``shard_stats`` (every store's per-shard key sums, squares and bounds, in ``meta``), ``page_bounds`` (Quest's key

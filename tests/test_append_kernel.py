@@ -258,8 +258,8 @@ def test_round_robin_counts_once_per_page_with_one_page_of_room():
 
 
 def test_eager_calls_skip_the_dispatcher_and_dispatch_modes_see_the_operator():
-    """``eager_direct``: eager code runs the implementation for the tensors' device, traced code and dispatch modes
-    (fake tensors, the operator count of ``benchmarks/count_ops.py``) the operator."""
+    """``eager_direct``: eager code runs the implementation for the tensors' device (found in a list argument too),
+    traced code and dispatch modes (fake tensors, the operator count of ``benchmarks/count_ops.py``) the operator."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from pikv_hf.kernels._triton import eager_direct
@@ -267,6 +267,7 @@ def test_eager_calls_skip_the_dispatcher_and_dispatch_modes_see_the_operator():
     calls = []
     call = eager_direct(*(lambda *a, n=n: calls.append(n) for n in ("operator", "cuda", "cpu")))
     call(torch.ones(1), 3)
+    call([torch.ones(1)], [2], 0.5)  # a Tensor[] argument first (Quest's group select)
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -275,4 +276,4 @@ def test_eager_calls_skip_the_dispatcher_and_dispatch_modes_see_the_operator():
     with Mode():
         call(torch.ones(1), 3)
     torch.compile(lambda t: call(t, 3) or t, backend="eager", fullgraph=True)(torch.ones(1))
-    assert calls == ["cpu", "operator", "operator"]
+    assert calls == ["cpu", "cpu", "operator", "operator"]

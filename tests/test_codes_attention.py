@@ -40,15 +40,22 @@ def _reference(query, keys, values, bias, scale):
     return o.reshape(b, hq, 1, d), lse.reshape(b, hq, 1)
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["allocated", "scratch"])
 @pytest.mark.parametrize("bits, group, p", [(4, 64, 64), (4, 16, 16), (2, 32, 8), (8, 64, 32), (4, 32, 1)])
-def test_codes_read_equals_decoded_pages_attended_in_float64(bits, group, p):
+def test_codes_read_equals_decoded_pages_attended_in_float64(bits, group, p, scratch):
+    """Each code field converted into fresh tensors or into workspace buffers (larger than one field, holding stale
+    values) reads the same."""
     b, h, g, d, n = 2, 3, 3, 64, 6
     fields, keys, values = _pages(bits, group, b, h, n, p, d, seed=bits * 100 + group + p)
     query = torch.randn(b, h * g, 1, d, generator=torch.Generator().manual_seed(1))
     bias = torch.zeros(b, h, n * p)
     bias[0, 1, ::3] = float("-inf")  # some slots masked (padding, outside a plan)
     bias[1, 2] = float("-inf")  # a (row, head) with nothing to read
-    o, lse = quant_decode(query, fields, bias, d**-0.5, bits)
+    buffers = None
+    if scratch:
+        size = fields["kq"].numel() + 7
+        buffers = torch.full((size,), 255, dtype=torch.uint8), torch.full((size,), float("nan"))
+    o, lse = quant_decode(query, fields, bias, d**-0.5, bits, buffers)
     want_o, want_lse = _reference(query, keys, values, bias, d**-0.5)
     assert o.dtype == lse.dtype == torch.float32 and o.shape == want_o.shape and lse.shape == want_lse.shape
     torch.testing.assert_close(o.double(), want_o, rtol=1e-5, atol=2e-5)

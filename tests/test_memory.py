@@ -183,7 +183,9 @@ def test_bytes_held_beyond_kv_are_within_5_percent_of_fp16_kv(way):
     left from the forward) must stay within 5% of the fp16 KV. 4-bit held 0.467x fp16 against its own 0.317x
     (int64 view indices and positions kept after the forward). The routed cache is checked after its prefill: a
     sparse decode step adds its gather workspace and the selector's copy of the shard summaries (decode-time state,
-    not yet within this budget)."""
+    not yet within this budget). The torch backend's CPU workspace (one set of buffers every layer shares, so 1/2 of
+    this 2-layer model's KV but 1/30 of SmolLM2's: ``benchmarks/held_bytes.py`` counts it at 30 layers) is bounded
+    apart: at most one layer's fp16 KV."""
     name, kwargs, presses, steps = way
     model = tiny_model(
         "llama", seed=0, dtype=torch.bfloat16, hidden_size=192, num_attention_heads=3, num_key_value_heads=3,
@@ -193,7 +195,9 @@ def test_bytes_held_beyond_kv_are_within_5_percent_of_fp16_kv(way):
     cache = PiKVCache(model, **kwargs)
     run(model, cache, prompt(tokens, seed=6), presses, steps=steps)
     fp16 = _fp16_kv(model.config, 1, tokens + steps)
-    extra = cache.held_nbytes() - cache.kv_nbytes()
+    workspace = cache.workspace_nbytes()
+    assert workspace <= fp16 / model.config.num_hidden_layers
+    extra = cache.held_nbytes() - cache.kv_nbytes() - workspace
     assert 0 <= extra <= 0.05 * fp16, f"{name}: {extra / fp16:.4f}x the fp16 KV held beyond K/V"
     if name == "quant4":
         assert cache.kv_nbytes() < 0.4 * fp16  # the 4-bit cache is what it says

@@ -127,7 +127,7 @@ def held_bytes(rec: Recorder) -> Body:
         rows.append([pt["shape"], pt["way"], rec.fig("r3", at(p, k + "read_fraction")),
                      rec.fig("r3", at(p, k + "beyond_kv_over_fp16")), *share, verdict(pt["met"])])  # fmt: skip
     header = ["shape", "way", "read", "beyond K/V (x fp16 KV)", "summaries", "other store metadata",
-              "CPU gather workspace", "other"]  # fmt: skip
+              "CPU workspace", "other"]  # fmt: skip
     s = d["shapes"]
     shapes = "; ".join(
         f"{name}: {v['layers']} layers, {v['query_heads']} query / {v['kv_heads']} KV heads of {v['head_dim']}, "
@@ -142,7 +142,8 @@ def held_bytes(rec: Recorder) -> Body:
             "tokens (float32 key sums and squares of every shard in every store of a routed layer, Quest's key min / "
             "max of every page, the key-cluster placement's float32 centroids), the stores' other metadata "
             "(positions, valid bits, masks, page shard ids, page tables, shard token counts), the torch backend's "
-            "CPU gather scratch (shared by the layers, as large as one layer's read; none on CUDA) and the rest "
+            "CPU scratch (shared by the layers: gathers as large as one layer's read, and a 4-bit store's code "
+            "conversion buffers, one code field's uint8 and float32; none on CUDA) and the rest "
             "(placement counts, read state). Routed at 4096 tokens: 256 shards' sums, squares and centroids are 3 x "
             "256 float32 vectors per KV head and layer against 4096 tokens' fp16 K and V, 0.19 of the KV whatever "
             "the read; at 32768 tokens an eighth of that. Quest: two bfloat16 vectors per page of 16, 1/16 of the KV"

@@ -373,5 +373,6 @@ class PiKVCache(ForwardAwareCache):
         return held_nbytes(self)
 
     def workspace_nbytes(self) -> int:
-        """Bytes of the attention backend's gather scratch (shared by the layers; not part of the stored KV)."""
+        """Bytes of the attention backend's CPU scratch: gathers and code conversion buffers (shared by the layers; not
+        part of the stored KV)."""
         return self.backend.workspace_nbytes()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pikv_hf.attention.codes import quant_decode
+from pikv_hf.attention.codes import Scratch, quant_decode
 from pikv_hf.attention.merge import merge_partials, sink_partial
 from pikv_hf.attention.reference import _SCORE_BUDGET_BYTES, allowed_mask, masked_attention
 from pikv_hf.kernels._triton import runs_eagerly
@@ -136,7 +136,8 @@ class TorchBackend:
     """Gather + masked attention in torch ops; the reference every other backend is tested against.
 
     On the CPU, eager gathers go to a scratch workspace kept between calls (a fresh multi-megabyte tensor per decode
-    step costs more in CPU page faults than the copy), keyed by field and dtype; its tensors never leave
+    step costs more in CPU page faults than the copy), keyed by field and dtype, and so do a quantised store's codes
+    converted to float32 for its read (``_code_scratch``); its tensors never leave
     :meth:`attend`, so layers that attend one after the other may share a backend. On an accelerator and in compiled
     code a gather allocates its output (the caching allocator reuses memory; nothing is keyed by a stream or kept
     across a graph).
@@ -152,12 +153,23 @@ class TorchBackend:
         if field.device.type != "cpu" or torch.compiler.is_compiling():
             return store.pool.gather(name, pages)
         per_page = field[0].numel() if field.shape[0] else 0
-        need = pages.numel() * per_page
-        key = (name, field.dtype)
-        buf = self._workspace.get(key)
+        return store.pool.gather(name, pages, out=self._buffer(name, field.dtype, pages.numel() * per_page))
+
+    def _buffer(self, name: str, dtype: torch.dtype, need: int) -> torch.Tensor:
+        """The first ``need`` elements of the CPU workspace's buffer ``(name, dtype)``, grown when smaller."""
+        buf = self._workspace.get((name, dtype))
         if buf is None or buf.numel() < need:
-            buf = self._workspace[key] = field.new_empty(need)
-        return store.pool.gather(name, pages, out=buf[:need])
+            buf = self._workspace[(name, dtype)] = torch.empty(need, dtype=dtype)
+        return buf[:need]
+
+    def _code_scratch(self, fields: dict[str, torch.Tensor]) -> Scratch | None:
+        """Workspace buffers for one code field of ``fields`` at a time (``attention.codes.quant_decode``): on the
+        CPU in eager code, else None (allocated per call)."""
+        kq = fields["kq"]
+        if kq.device.type != "cpu" or not runs_eagerly(kq):
+            return None
+        need = max(kq.numel(), fields["vq"].numel())
+        return self._buffer("codes", torch.uint8, need), self._buffer("codes", torch.float32, need)
 
     def _gather_fields(
         self, store: PagedStore, flat: torch.Tensor, n: int, names: tuple[str, ...]
@@ -309,7 +321,7 @@ class TorchBackend:
                 bias = bias.masked_fill(~keep, float("-inf"))
             attended = (bias == 0).sum(-1) if count else None
         if store.codec.code_bits is not None:
-            o, lse = quant_decode(query, fields, bias, scale, store.codec.code_bits)
+            o, lse = quant_decode(query, fields, bias, scale, store.codec.code_bits, self._code_scratch(fields))
         else:
             keys, values = store.codec.decode({name: fields[name] for name in store.kv_fields})
             o, lse = fused_decode(query, keys, values, bias, scale, check_empty=not newest, attended=attended)
@@ -348,7 +360,7 @@ class TorchBackend:
         return o.reshape(b, hq, 1, -1), lse.reshape(b, hq, 1), lengths if count else None
 
     def workspace_nbytes(self) -> int:
-        """Bytes held by the gather workspace (not part of the stored KV)."""
+        """Bytes held by the CPU workspace: gathers and code conversion buffers (not part of the stored KV)."""
         return sum(t.numel() * t.element_size() for t in self._workspace.values())
 
     def reset(self) -> None:

@@ -23,19 +23,37 @@ from __future__ import annotations
 
 import torch
 
-from pikv_hf.kernels._triton import eager_direct
+from pikv_hf.kernels._triton import eager_direct, runs_eagerly
+
+Scratch = tuple[torch.Tensor, torch.Tensor]  # flat uint8 and float32 buffers, each as large as one code field
 
 
-def _field(codes: torch.Tensor, j: int, bits: int) -> torch.Tensor:
-    """The ``j``-th ``bits``-bit code of every byte of ``codes`` (low bits first), as float32."""
+def _field(codes: torch.Tensor, j: int, bits: int, scratch: Scratch | None = None) -> torch.Tensor:
+    """The ``j``-th ``bits``-bit code of every byte of ``codes`` (low bits first), as float32; written into
+    ``scratch`` when given (its contents are overwritten: one field is live at a time)."""
+    if scratch is None:
+        if bits == 8:
+            return codes.float()
+        shifted = codes >> (j * bits) if j else codes
+        return (shifted & ((1 << bits) - 1)).float()
+    small, wide = (buf[: codes.numel()].view(codes.shape) for buf in scratch)
     if bits == 8:
-        return codes.float()
-    shifted = codes >> (j * bits) if j else codes
-    return (shifted & ((1 << bits) - 1)).float()
+        return wide.copy_(codes)
+    if j:
+        torch.bitwise_right_shift(codes, j * bits, out=small)
+        small.bitwise_and_((1 << bits) - 1)
+    else:
+        torch.bitwise_and(codes, (1 << bits) - 1, out=small)
+    return wide.copy_(small)
 
 
 def quant_decode(
-    query: torch.Tensor, fields: dict[str, torch.Tensor], bias: torch.Tensor, scale: float, bits: int
+    query: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    bias: torch.Tensor,
+    scale: float,
+    bits: int,
+    scratch: Scratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token over quantised pages.
 
@@ -54,6 +72,11 @@ def quant_decode(
         Softmax scale.
     bits : int
         Bits per code (2, 4 or 8).
+    scratch : tuple of torch.Tensor, optional
+        Flat uint8 and float32 buffers of at least ``C * max(Dk, Dv) * bits // 8`` elements (one code field) that an
+        eager call converts the codes into, one field at a time, instead of allocating each field: on the CPU a
+        fresh multi-megabyte tensor per field and layer costs page faults (a 4-bit read at 8k tokens: about a third
+        of the read). Ignored under tracing or a dispatch mode.
 
     Returns
     -------
@@ -62,7 +85,10 @@ def quant_decode(
         to read).
     """
     names = ("kq", "k_scale", "k_zero", "vq", "v_scale", "v_zero")
-    return _quant_decode_eager(query, *(fields[name] for name in names), bias, scale, bits)
+    args = (query, *(fields[name] for name in names), bias, scale, bits)
+    if scratch is not None and runs_eagerly(query):
+        return _read_codes(*args, scratch=scratch)
+    return _quant_decode_eager(*args)
 
 
 def _quant_decode(
@@ -70,6 +96,15 @@ def _quant_decode(
     v_scale: torch.Tensor, v_zero: torch.Tensor, bias: torch.Tensor, scale: float, bits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`quant_decode` on the fields as arguments (the operator's implementation)."""
+    return _read_codes(query, kq, k_scale, k_zero, vq, v_scale, v_zero, bias, scale, bits)
+
+
+def _read_codes(
+    query: torch.Tensor, kq: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor, vq: torch.Tensor,
+    v_scale: torch.Tensor, v_zero: torch.Tensor, bias: torch.Tensor, scale: float, bits: int,
+    scratch: Scratch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`_quant_decode`, each code field converted into ``scratch`` when given."""
     b, hq, q, dk = query.shape
     h, c = bias.shape[1], bias.shape[2]
     n = k_scale.shape[2]
@@ -80,7 +115,8 @@ def _quant_decode(
     kq = kq.view(b, h, n, p, -1)
     scores = torch.matmul(k_zero.unsqueeze(3).float(), qg.transpose(-1, -2)).transpose(-1, -2)
     for j in range(per):  # [B, H, n, G, P]
-        scores = scores + torch.matmul(qg[..., j::per] * k_scale[..., j::per], _field(kq, j, bits).transpose(-1, -2))
+        field = _field(kq, j, bits, scratch).transpose(-1, -2)
+        scores = scores + torch.matmul(qg[..., j::per] * k_scale[..., j::per], field)
     scores = scores.transpose(2, 3).reshape(b, h, g, c).mul_(scale).add_(bias.unsqueeze(2))
     top = scores.amax(-1, keepdim=True)
     top = top.masked_fill(torch.isneginf(top), 0.0)  # a row with nothing to read: every probability 0
@@ -90,7 +126,7 @@ def _quant_decode(
     groups = v_scale.shape[-1]
     vq = vq.view(b, h, c, groups, -1).transpose(2, 3).contiguous()  # [B, H, NG, C, G / per]
     weights = probs.unsqueeze(2) * v_scale.transpose(2, 3).unsqueeze(3)  # [B, H, NG, G, C]
-    o = torch.stack([torch.matmul(weights, _field(vq, j, bits)) for j in range(per)], -1).flatten(-2)
+    o = torch.stack([torch.matmul(weights, _field(vq, j, bits, scratch)) for j in range(per)], -1).flatten(-2)
     o = o + torch.matmul(probs, v_zero.float()).transpose(2, 3).unsqueeze(-1)  # [B, H, NG, G, G_v]
     o = o.transpose(2, 3).reshape(b, h, g, -1).div_(total.clamp(min=torch.finfo(torch.float32).tiny))
     return o.reshape(b, hq, 1, -1), lse.reshape(b, hq, 1)

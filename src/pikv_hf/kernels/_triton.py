@@ -9,7 +9,7 @@ on CPU tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,12 +56,21 @@ def eager_direct(op: Any, cuda: Callable, cpu: Callable, traced: Callable | None
     def call(*args: Any) -> Any:
         if torch.compiler.is_compiling():
             return op(*args) if traced is None else traced(*args)
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        t = next((a for a in _tensors(args) if isinstance(a, torch.Tensor)), None)
         if t is not None and runs_eagerly(t):
             return (cuda if t.is_cuda else cpu)(*args)
         return op(*args)
 
     return call
+
+
+def _tensors(args: tuple) -> Iterator[Any]:
+    """``args`` with the items of list and tuple arguments (a ``Tensor[]`` of an operator's schema) in their place."""
+    for a in args:
+        if isinstance(a, list | tuple):
+            yield from a
+        else:
+            yield a
 
 
 def traced_as_operator(t: torch.Tensor) -> bool:
