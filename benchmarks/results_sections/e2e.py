@@ -13,6 +13,7 @@ ALWAYS_SPARSE = f"{BENCH}/e2e_always_sparse_cpu.json"
 QUANT_CODES = f"{BENCH}/e2e_quant_codes_cpu.json"  # the 4-bit ways after the CPU read of codes (attention/codes.py)
 # every way again, eager and compiled, after the codes read and the trimmed CPU routed plan; batch 4 beside it
 LATER = f"{BENCH}/e2e_later_cpu.json"
+EAGER_LATEST = f"{BENCH}/e2e_eager_latest_cpu.json"  # eager ways only, after the 4-bit read's scratch
 LATER_BATCH4 = f"{BENCH}/e2e_later_batch4_cpu.json"
 MODE_TEXT = {
     "dynamic": "DynamicCache (model's SDPA)",
@@ -348,6 +349,29 @@ def e2e_later(rec: Recorder) -> Body:
     )
 
 
+def e2e_eager_latest(rec: Recorder) -> Body:
+    """The eager ways at batch 1 measured again after a change to the eager CPU path, judged on this run alone."""
+    p = EAGER_LATEST
+    d = rec.load(p)
+    parts = [series_table(rec, p, *key) for key in series(rec, p)]
+    parts += [d["note"]] if d.get("note") else []
+    goals = [r for r in goal_rows(rec, p) if r[1] != "not measured"]
+    header = ["goal", "measured", "verdict"]
+    parts.append("Goals (ratios to DynamicCache eager in this run):\n\n" + table(header, goals))
+    return Body(
+        measured=(
+            "as 'End-to-end decode on the real model': prefill, then greedy decode one token per forward, every way "
+            f"taking turns over {d['config']['rounds']} rounds of the {d['config']['steps']} timed steps (median "
+            "ms/token), eager steps only, nothing else running on the machine"
+        ),
+        commands=d["commands"],
+        machine=machine_text(rec, p),
+        reads="as the eager section above",
+        budget="as the eager section above",
+        text="\n\n".join(parts),
+    )
+
+
 def _results_key(rec: Recorder, batch: int) -> str | None:
     """Key prefix of the SmolLM2 results at 8192 tokens, 1 thread, ``batch`` rows (None when not measured)."""
     if not rec.exists(E2E):
@@ -357,12 +381,14 @@ def _results_key(rec: Recorder, batch: int) -> str | None:
 
 
 def _latest(rec: Recorder, batch: int) -> tuple[str, str, str] | None:
-    """Path, key prefix and section of the SmolLM2 results at 8192 tokens, 1 thread, ``batch`` rows: the later run
-    of every way where it has them, else the first run (None when neither does)."""
-    later = LATER if batch == 1 else LATER_BATCH4
-    i = point_index(rec, later, "smollm2", 1, batch, 8192) if rec.exists(later) else None
-    if i is not None:
-        return later, f"points.{i}.results.", "End-to-end decode, a later run of every way"
+    """Path, key prefix and section of the SmolLM2 results at 8192 tokens, 1 thread, ``batch`` rows: the latest eager
+    run where it has them, else the later run of every way, else the first run (None when none does)."""
+    runs = [(EAGER_LATEST, "End-to-end decode, eager, the latest run")]
+    runs.append((LATER if batch == 1 else LATER_BATCH4, "End-to-end decode, a later run of every way"))
+    for later, section in runs:
+        i = point_index(rec, later, "smollm2", 1, batch, 8192) if rec.exists(later) else None
+        if i is not None:
+            return later, f"points.{i}.results.", section
     r = _results_key(rec, batch)
     return None if r is None else (E2E, r, "End-to-end decode on the real model")
 
