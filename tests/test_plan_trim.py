@@ -163,3 +163,13 @@ def test_packed_read_of_one_token_pages_equals_float64_attention(monkeypatch):
             assert (got - want).abs().max() < 1e-5
             assert (part.lse[row, head * G : (head + 1) * G, 0].double() - logits.logsumexp(-1)).abs().max() < 1e-5
     assert torch.equal(part.attended, lengths)
+    # a (row, head) with nothing planned reads nothing: o = 0, lse = -inf; the others read as before
+    pages = plan.pages.clone()
+    pages[1, 0] = -1
+    empty = dataclasses.replace(plan, pages=pages, lengths=(pages >= 0).sum(-1))
+    part_empty = TorchBackend.attend(**{**call, "plan": empty, "count": True})
+    rows = slice(0, G)
+    assert (part_empty.o[1, rows] == 0).all() and torch.isneginf(part_empty.lse[1, rows]).all()
+    assert int(part_empty.attended[1, 0]) == 0
+    assert torch.equal(part_empty.o[0], part.o[0]) and torch.equal(part_empty.lse[0], part.lse[0])
+    assert torch.equal(part_empty.o[1, G:], part.o[1, G:]) and torch.equal(part_empty.lse[1, G:], part.lse[1, G:])

@@ -343,21 +343,18 @@ class TorchBackend:
         keys, values = store.codec.decode(
             {name: self._gather(store, name, flat).view(flat.numel(), -1) for name in store.kv_fields}
         )
-        qg = query.reshape(b, h, hq // h, d).to(keys.dtype)
-        o = query.new_zeros(b, h, hq // h, values.shape[-1], dtype=torch.float32)
-        lse = torch.full((b, h, hq // h), float("-inf"), device=query.device)
-        at = 0
-        for i, n in enumerate(lengths.view(-1).tolist()):
-            if n:
-                row, head = divmod(i, h)
-                part = _FLASH_CPU(
-                    qg[row : row + 1, head : head + 1], keys[at : at + n].view(1, 1, n, -1),
-                    values[at : at + n].view(1, 1, n, -1), 0.0, False, scale=scale,
-                )  # fmt: skip
-                o[row, head] = part[0][0, 0]
-                lse[row, head] = part[1][0, 0]
-                at += n
-        return o.reshape(b, hq, 1, -1), lse.reshape(b, hq, 1), lengths if count else None
+        g, dv = hq // h, values.shape[-1]
+        counts = lengths.view(-1).tolist()
+        # one (row, head) a call, each on views (split, unbind): no per-call indexing or copy into the outputs
+        queries = query.reshape(b * h, 1, 1, g, d).to(keys.dtype).unbind(0)
+        none = (query.new_zeros(1, 1, g, dv, dtype=keys.dtype), query.new_full((1, 1, g), float("-inf")))
+        parts = [
+            _FLASH_CPU(qg, k.view(1, 1, n, -1), v.view(1, 1, n, -1), 0.0, False, scale=scale)[:2] if n else none
+            for qg, k, v, n in zip(queries, keys.split(counts), values.split(counts), counts, strict=True)
+        ]
+        o = torch.cat([part[0] for part in parts]).float().reshape(b, hq, 1, dv)
+        lse = torch.cat([part[1] for part in parts]).float().reshape(b, hq, 1)
+        return o, lse, lengths if count else None
 
     def workspace_nbytes(self) -> int:
         """Bytes held by the CPU workspace: gathers and code conversion buffers (not part of the stored KV)."""
