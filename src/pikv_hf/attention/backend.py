@@ -347,7 +347,9 @@ class TorchBackend:
         counts = lengths.view(-1).tolist()
         # one (row, head) a call, each on views (split, unbind): no per-call indexing or copy into the outputs
         queries = query.reshape(b * h, 1, 1, g, d).to(keys.dtype).unbind(0)
-        none = (query.new_zeros(1, 1, g, dv, dtype=keys.dtype), query.new_full((1, 1, g), float("-inf")))
+        none = None  # the partial of a (row, head) with nothing planned: o = 0, lse = -inf
+        if 0 in counts:
+            none = (query.new_zeros(1, 1, g, dv, dtype=keys.dtype), query.new_full((1, 1, g), float("-inf")))
         parts = [
             _FLASH_CPU(qg, k.view(1, 1, n, -1), v.view(1, 1, n, -1), 0.0, False, scale=scale)[:2] if n else none
             for qg, k, v, n in zip(queries, keys.split(counts), values.split(counts), counts, strict=True)
