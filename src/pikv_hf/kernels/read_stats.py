@@ -49,9 +49,10 @@ def _record_kernel(
 def _record_reference(total, attended, pages, n_pages, count, page_size, page_bytes, steps, sparse_steps, heads):
     read = n_pages if pages is None else (pages >= 0).sum(-1)
     rows = [attended, read, n_pages, count.sum(-1), read * page_size, read * page_bytes]
-    total[_FIRST : _FIRST + len(rows)] += torch.stack(rows).sum((1, 2))
+    total[_FIRST : _FIRST + len(rows)].add_(torch.stack(rows).sum((1, 2)))  # in place through the view
     for i, n in enumerate((steps, sparse_steps, heads)):  # scalars, no host tensor (a CUDA graph may capture this)
-        total[i] += n
+        if n:
+            total[i].add_(n)
 
 
 def _record_launch(total, attended, pages, n_pages, count, page_size, page_bytes, steps, sparse_steps, heads):
