@@ -70,7 +70,7 @@ class ReadStats:
         """Add Python ``counts`` to the named counters."""
         total = self._total(device)
         for name, value in counts.items():
-            total[_INDEX[name]] += value
+            total[_INDEX[name]].add_(value)  # in place through the view (no write-back copy)
 
     def add_recall(self, recall: torch.Tensor) -> None:
         """Recall of one step (``[B, H]``): read back to the host (only on steps that measure it)."""
