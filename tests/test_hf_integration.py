@@ -169,6 +169,8 @@ def _decode_fn(model, cache):
 SPARSE_READS = {
     "exact": {},
     "routed": dict(attention="routed", top_k_shards=2, n_sink=2, window=4, num_shards=4, page_size=4),
+    # one-token pages: a compiled CPU step reads the plan packed (torch.ops.pikv.packed_read)
+    "routed_page1": dict(attention="routed", top_k_shards=2, n_sink=2, window=4, num_shards=4, page_size=1),
     "quest": dict(attention="quest", read_fraction=0.5, n_sink=2, window=4, page_size=4),
 }
 
@@ -176,23 +178,30 @@ SPARSE_READS = {
 COMPILED_STEPS, WARMUP_STEPS = 18, 2  # the first compiled step creates the read statistics' counters: one recompile
 
 
-@pytest.mark.parametrize("read", [*sorted(SPARSE_READS), "4-bit"])
+QUANT_READS = {"4-bit": dict(page_size=8), "quest+4-bit": dict(attention="quest", read_fraction=0.5, page_size=8)}
+
+
+@pytest.mark.parametrize("read", [*sorted(SPARSE_READS), *QUANT_READS])
 def test_decode_step_compiles_once_without_graph_breaks(read):
     # no host read inside a step (plans of fixed width, read statistics as device tensors) and no Python state that
     # dynamo guards on changes from step to step: after the warm-up every step reuses the graph
     model = tiny_model("llama", seed=0)
-    options = dict(page_size=8) if read == "4-bit" else SPARSE_READS[read]
+    options = QUANT_READS.get(read) or SPARSE_READS[read]
     cache = PiKVCache(model, router="key_cluster", max_cache_len=64, **options)
     assert cache.is_compileable
-    press = QuantPress(bits=4, group_size=8, window=8) if read == "4-bit" else contextlib.nullcontext
+    press = QuantPress(bits=4, group_size=8, window=8) if read in QUANT_READS else contextlib.nullcontext
     with torch.no_grad():
         with press(model):
             model(prompt(20), past_key_values=cache)
-        assert ("compressed" in cache.layers[0].tiers) == (read == "4-bit")
+        assert ("compressed" in cache.layers[0].tiers) == (read in QUANT_READS)
         reference, probe = cache.fork(), cache.fork()
         dynamo.reset()
         explained = dynamo.explain(_decode_fn(model, probe))(torch.tensor([[5]]), torch.tensor([20]))
         assert explained.graph_break_count == 0 and explained.graph_count == 1
+        # one-token pages and a Quest plan over a 4-bit tier (as wide as the frame) are read by an operator that
+        # trims them on the CPU
+        trims = {"routed_page1": "packed_read", "quest+4-bit": "quant_read"}.get(read)
+        assert trims is None or trims in explained.graphs[0].code
         dynamo.reset()
         compiled = torch.compile(_decode_fn(model, cache), backend="aot_eager", fullgraph=True)
         for step in range(COMPILED_STEPS):
@@ -202,7 +211,7 @@ def test_decode_step_compiles_once_without_graph_breaks(read):
             want = model(token, past_key_values=reference, cache_position=pos).logits
             assert (got - want).abs().max() < 1e-5
     assert cache.get_seq_length() == reference.get_seq_length() == 20 + COMPILED_STEPS
-    if read in ("routed", "quest"):  # the compiled steps read sparsely, and counted it
+    if read not in ("exact", "4-bit"):  # the compiled steps read sparsely, and counted it
         assert cache.routing_stats()["overall"]["sparse_layer_steps"] == COMPILED_STEPS * len(cache.layers)
 
 

@@ -15,6 +15,7 @@ import torch
 
 from pikv_hf import PiKVCache
 from pikv_hf.attention.backend import TorchBackend, trimmed
+from pikv_hf.kernels.decode_quant import QUANT_FIELDS
 from pikv_hf.tiny import tiny_config
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -111,6 +112,17 @@ def test_quest_group_plans_over_a_4bit_tier_are_trimmed_and_read_the_same(monkey
         short = TorchBackend.attend(backend, query, store, plan, *args, **kw)
         whole = TorchBackend.attend(backend, query, store, dataclasses.replace(plan, lengths=None), *args, **kw)
         assert (short.o - whole.o).abs().max() < 1e-5 and (short.lse - whole.lse).abs().max() < 1e-5
+        # what a compiled CPU step calls on the wide plan: the same read as one operator
+        call = inspect.signature(TorchBackend.attend).bind(backend, query, store, plan, *args, **kw).arguments
+        counted = TorchBackend.attend(**{**call, "count": True})
+        fields = (store.pool[name] for name in (*QUANT_FIELDS, "bias"))
+        op_args = (query, *fields, store.table.start, plan.pages, plan.lengths, call["scale"], 4)
+        o, lse, attended = torch.ops.pikv.quant_read(*op_args)
+        assert torch.equal(o, counted.o) and torch.equal(lse, counted.lse) and torch.equal(attended, counted.attended)
+    torch.library.opcheck(torch.ops.pikv.quant_read.default, op_args, test_utils=("test_schema", "test_faketensor"))
+    none = (*op_args[:-3], torch.zeros_like(plan.lengths), *op_args[-2:])  # no row took a page of the tier
+    o, lse, attended = torch.ops.pikv.quant_read(*none)
+    assert (o == 0).all() and torch.isneginf(lse).all() and (attended == 0).all() and o.shape == counted.o.shape
 
 
 def test_quest_plan_of_a_reserved_cpu_store_is_sized_by_the_pages_in_use():
@@ -173,3 +185,19 @@ def test_packed_read_of_one_token_pages_equals_float64_attention(monkeypatch):
     assert int(part_empty.attended[1, 0]) == 0
     assert torch.equal(part_empty.o[0], part.o[0]) and torch.equal(part_empty.lse[0], part.lse[0])
     assert torch.equal(part_empty.o[1, G:], part.o[1, G:]) and torch.equal(part_empty.lse[1, G:], part.lse[1, G:])
+
+
+def test_packed_read_operator_reads_a_frame_wide_plan_as_the_eager_path(monkeypatch):
+    """``torch.ops.pikv.packed_read`` (what a compiled CPU step calls on a plan that keeps the frame's width) reads
+    the same as the eager packed path, its padding never read; schema and fake implementation pass ``opcheck``."""
+    backend, query, store, plan, args, kw = _decode_plan(
+        monkeypatch, router="key_cluster", num_shards=8, attention="routed", top_k_shards=2, n_sink=2, window=4,
+        page_size=1,
+    )  # fmt: skip
+    call = inspect.signature(TorchBackend.attend).bind(backend, query, store, plan, *args, **kw).arguments
+    want = TorchBackend.attend(**{**call, "count": True})
+    wide = torch.nn.functional.pad(plan.pages, (0, store.table.width() - plan.pages.shape[-1]), value=-1)
+    op_args = (query, store.pool["keys"], store.pool["values"], store.table.start, wide, call["scale"])
+    o, lse, lengths = torch.ops.pikv.packed_read(*op_args)
+    assert torch.equal(o, want.o) and torch.equal(lse, want.lse) and torch.equal(lengths, want.attended)
+    torch.library.opcheck(torch.ops.pikv.packed_read.default, op_args, test_utils=("test_schema", "test_faketensor"))

@@ -17,12 +17,12 @@ import torch
 
 from pikv_hf.attention.codes import Scratch, quant_decode
 from pikv_hf.attention.merge import merge_partials, sink_partial
+from pikv_hf.attention.packed import FLASH_CPU, packed_decode
 from pikv_hf.attention.reference import _SCORE_BUDGET_BYTES, allowed_mask, masked_attention
 from pikv_hf.kernels._triton import runs_eagerly
+from pikv_hf.kernels.decode_quant import QUANT_FIELDS
 from pikv_hf.read.plan import ReadPlan, sink_or_recent
 from pikv_hf.store import PagedStore
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass
@@ -89,7 +89,7 @@ def fused_decode(
     b, hq, _, d = query.shape
     h = keys.shape[1]
     qg = query.reshape(b, h, hq // h, d).to(keys.dtype)
-    o, lse = _FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=bias.unsqueeze(2), scale=scale)
+    o, lse = FLASH_CPU(qg, keys, values, 0.0, False, attn_mask=bias.unsqueeze(2), scale=scale)
     lse = lse.float()
     if check_empty:
         empty = torch.isneginf(bias).all(-1, keepdim=True) if attended is None else (attended == 0).unsqueeze(-1)
@@ -124,7 +124,7 @@ def fused_prefill(
         bias = torch.zeros(ok_rows.shape, dtype=keys.dtype, device=keys.device).masked_fill_(~ok_rows, float("-inf"))
         bias = bias.unsqueeze(2).expand(b, h, g, n, c).reshape(b, h, g * n, c)
         rows = qg[:, :, :, start : start + chunk].reshape(b, h, g * n, d)
-        o, lse = _FLASH_CPU(rows, keys, values, 0.0, False, attn_mask=bias, scale=scale)
+        o, lse = FLASH_CPU(rows, keys, values, 0.0, False, attn_mask=bias, scale=scale)
         lse = lse.float().view(b, h, g, n).masked_fill(~ok_rows.any(-1).unsqueeze(2), float("-inf"))
         outs.append(o.float().view(b, h, g, n, -1))
         lses.append(lse)
@@ -266,7 +266,7 @@ class TorchBackend:
         """Whether a call goes through the CPU flash kernel: one decode token, no attention mass or shard groups,
         keys and values of one head dim."""
         return (
-            _FLASH_CPU is not None
+            FLASH_CPU is not None
             and queries == 1
             and not want_mass
             and groups == 1
@@ -290,8 +290,13 @@ class TorchBackend:
         the slots' stored ``bias``, restricted by the plan's pages and the sliding window where they apply."""
         restricted = plan.page_full is not None or sliding_window is not None
         whole = not plan.exact and store.page_size == 1 and not restricted  # planned one-token pages all hold one
-        if whole and store.codec.code_bits is None and runs_eagerly(query):
-            o, lse, attended = self._attend_packed(query, store, plan, scale, count)
+        read = None
+        if whole and store.codec.code_bits is None:
+            read = self._attend_packed(query, store, plan, scale, count)
+        elif not restricted and plan.lengths is not None and store.kv_fields == QUANT_FIELDS:
+            read = self._attend_codes_op(query, store, plan, scale, count)
+        if read is not None:
+            o, lse, attended = read
             if sinks is not None:
                 o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
             return Partial(o, lse, attended=attended)
@@ -331,32 +336,43 @@ class TorchBackend:
 
     def _attend_packed(
         self, query: torch.Tensor, store: PagedStore, plan: ReadPlan, scale: float, count: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A decode token over planned one-token pages, each (row, KV head) reading just its own pages: they are
-        gathered packed (no padding entry) and attended one (row, head) at a time, without a mask. A plan padded to
-        its longest row would gather and attend the padding too (a third of a routed read at 8k x batch 4)."""
-        b, hq, _, d = query.shape
-        h = store.heads
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """A decode token over planned one-token pages, each (row, KV head) reading just its own pages
+        (``attention.packed``): eager code gathers them packed into the workspace and decodes them with the store's
+        codec; a compiled step on the CPU calls ``torch.ops.pikv.packed_read`` on an identity codec's fields, else
+        None (the caller reads the plan as it is)."""
+        start = store.table.start
+        if not runs_eagerly(query):
+            if not (torch.compiler.is_compiling() and store.kv_fields == ("keys", "values")):
+                return None
+            keys, values = (store.pool[name] for name in store.kv_fields)
+            o, lse, lengths = torch.ops.pikv.packed_read(query, keys, values, start, plan.pages, scale)
+            return o, lse, lengths if count else None
         present = plan.pages >= 0
         lengths = present.sum(-1)  # [B, H]
-        flat = (store.table.start.unsqueeze(-1) + plan.pages).masked_select(present)
+        flat = (start.unsqueeze(-1) + plan.pages).masked_select(present)
         keys, values = store.codec.decode(
             {name: self._gather(store, name, flat).view(flat.numel(), -1) for name in store.kv_fields}
         )
-        g, dv = hq // h, values.shape[-1]
-        counts = lengths.view(-1).tolist()
-        # one (row, head) a call, each on views (split, unbind): no per-call indexing or copy into the outputs
-        queries = query.reshape(b * h, 1, 1, g, d).to(keys.dtype).unbind(0)
-        none = None  # the partial of a (row, head) with nothing planned: o = 0, lse = -inf
-        if 0 in counts:
-            none = (query.new_zeros(1, 1, g, dv, dtype=keys.dtype), query.new_full((1, 1, g), float("-inf")))
-        parts = [
-            _FLASH_CPU(qg, k.view(1, 1, n, -1), v.view(1, 1, n, -1), 0.0, False, scale=scale)[:2] if n else none
-            for qg, k, v, n in zip(queries, keys.split(counts), values.split(counts), counts, strict=True)
-        ]
-        o = torch.cat([part[0] for part in parts]).float().reshape(b, hq, 1, dv)
-        lse = torch.cat([part[1] for part in parts]).float().reshape(b, hq, 1)
+        o, lse = packed_decode(query, keys, values, lengths, scale)
         return o, lse, lengths if count else None
+
+    @staticmethod
+    def _attend_codes_op(
+        query: torch.Tensor, store: PagedStore, plan: ReadPlan, scale: float, count: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """In a compiled step, a decode token over the planned pages of a quantised store as one operator,
+        ``torch.ops.pikv.quant_read``, which reads no more than the plan's longest row (a Quest plan over a store
+        group keeps its frame's width there); None elsewhere (eager code trimmed the plan already)."""
+        if not torch.compiler.is_compiling():
+            return None
+        pool = store.pool
+        fields = (pool[name] for name in QUANT_FIELDS)
+        bits = store.codec.code_bits
+        o, lse, attended = torch.ops.pikv.quant_read(
+            query, *fields, pool["bias"], store.table.start, plan.pages, plan.lengths, scale, bits
+        )
+        return o, lse, attended if count else None
 
     def workspace_nbytes(self) -> int:
         """Bytes held by the CPU workspace: gathers and code conversion buffers (not part of the stored KV)."""
