@@ -35,6 +35,7 @@ SECTIONS = [
     Section("End-to-end decode, compiled step", (e2e.E2E_COMPILED,), e2e.e2e_compiled),
     Section("End-to-end decode, a later run of every way", (e2e.LATER,), e2e.e2e_later),
     Section("End-to-end decode, eager, the latest run", (e2e.EAGER_LATEST,), e2e.e2e_eager_latest),
+    Section("End-to-end decode, compiled step, the latest run", (e2e.COMPILED_LATEST,), e2e.e2e_compiled_latest),
     Section("Decode on a GPU", (gpu.GPU_GLOB,), gpu.gpu),
     Section("Exact cache vs DynamicCache", (decode.CACHE_EXACT,), decode.cache_exact),
     Section("Decode speed", decode.DECODE_SPEED, decode.decode_speed),

@@ -12,7 +12,7 @@ import torch
 from helpers import KERNEL_DEVICE as DEVICE
 from helpers import run_without_interpreter
 
-from pikv_hf.kernels import append
+from pikv_hf.kernels import _triton, append
 from pikv_hf.kernels._triton import interpreted
 from pikv_hf.kernels.append import append_one_kernel, append_one_op, append_one_reference
 from pikv_hf.store import PagedStore
@@ -259,7 +259,8 @@ def test_round_robin_counts_once_per_page_with_one_page_of_room():
 
 def test_eager_calls_skip_the_dispatcher_and_dispatch_modes_see_the_operator():
     """``eager_direct``: eager code runs the implementation for the tensors' device (found in a list argument too),
-    traced code and dispatch modes (fake tensors, the operator count of ``benchmarks/count_ops.py``) the operator."""
+    dispatch modes (fake tensors, the operator count of ``benchmarks/count_ops.py``) the operator, and traced code
+    the operator where ``traced_as_operator`` says so (CUDA), else the CPU implementation."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from pikv_hf.kernels._triton import eager_direct
@@ -276,4 +277,7 @@ def test_eager_calls_skip_the_dispatcher_and_dispatch_modes_see_the_operator():
     with Mode():
         call(torch.ones(1), 3)
     torch.compile(lambda t: call(t, 3) or t, backend="eager", fullgraph=True)(torch.ones(1))
-    assert calls == ["cpu", "cpu", "operator", "operator"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_triton, "traced_as_operator", lambda t: True)  # as on CUDA
+        torch.compile(lambda t: call(t, 4) or t, backend="eager", fullgraph=True)(torch.ones(1))
+    assert calls == ["cpu", "cpu", "operator", "cpu", "operator"]

@@ -15,6 +15,7 @@ from pikv_hf import PiKVCache
 from pikv_hf.attention import TorchBackend
 from pikv_hf.attention.triton_backend import AutoBackend, TritonBackend, make_backend
 from pikv_hf.codecs.quant import QuantCodec
+from pikv_hf.kernels import _triton
 from pikv_hf.presses import QuantPress
 from pikv_hf.read import ReadPlan
 from pikv_hf.store import PagedStore
@@ -161,10 +162,12 @@ COMPILED_READS = {
 
 
 @pytest.mark.parametrize("read", sorted(COMPILED_READS))
-def test_decode_step_through_the_kernel_operator_compiles_in_one_graph_and_equals_eager(read):
-    """With the Triton backend (the kernels interpreted on CPU), a decode step of a compileable cache compiles with
-    ``fullgraph=True`` into exactly one graph that calls ``torch.ops.pikv.paged_decode`` (no tuple argument, nothing
-    keyed by a stream), and the compiled steps equal eager ones."""
+def test_decode_step_through_the_kernel_operator_compiles_in_one_graph_and_equals_eager(read, monkeypatch):
+    """With the Triton backend (the kernels interpreted on CPU) and every operator traced as on CUDA (not its CPU
+    reference: ``_triton.traced_as_operator``), a decode step of a compileable cache compiles with ``fullgraph=True``
+    into exactly one graph that calls ``torch.ops.pikv.paged_decode`` (no tuple argument, nothing keyed by a stream)
+    and the planning operators, and the compiled steps equal eager ones."""
+    monkeypatch.setattr(_triton, "traced_as_operator", lambda t: True)
     model = tiny_model("llama", seed=0)
     cache = PiKVCache(model, router="key_cluster", max_cache_len=48, attention_backend="triton", **COMPILED_READS[read])
     graphs = []
@@ -192,4 +195,7 @@ def test_decode_step_through_the_kernel_operator_compiles_in_one_graph_and_equal
         assert (got - want).abs().max() < 1e-5
     calls = [n for n in graphs[0].graph.nodes if n.target is torch.ops.pikv.paged_decode.default]
     assert len(graphs) == 1 and len(calls) == len(cache.layers) * (2 if read == "4bit" else 1)  # 4-bit: + hot store
+    targets = {n.target for n in graphs[0].graph.nodes}
+    planned = {"routed": torch.ops.pikv.route_select.default, "quest": torch.ops.pikv.quest_scores.default}
+    assert read not in planned or planned[read] in targets
     assert cache.get_seq_length() == reference.get_seq_length() == 21

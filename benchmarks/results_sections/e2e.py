@@ -14,6 +14,8 @@ QUANT_CODES = f"{BENCH}/e2e_quant_codes_cpu.json"  # the 4-bit ways after the CP
 # every way again, eager and compiled, after the codes read and the trimmed CPU routed plan; batch 4 beside it
 LATER = f"{BENCH}/e2e_later_cpu.json"
 EAGER_LATEST = f"{BENCH}/e2e_eager_latest_cpu.json"  # eager ways only, after the 4-bit read's scratch
+# every way eager and compiled, after the compiled CPU step read packed / Quest-over-a-tier plans through operators
+COMPILED_LATEST = f"{BENCH}/e2e_compiled_latest_cpu.json"
 LATER_BATCH4 = f"{BENCH}/e2e_later_batch4_cpu.json"
 MODE_TEXT = {
     "dynamic": "DynamicCache (model's SDPA)",
@@ -87,21 +89,24 @@ def series_table(rec: Recorder, path: str, model: str, threads: int, batch: int)
     return f"{model}, {threads} thread(s), batch {batch} (git {commits}):\n\n{table(header, rows)}"
 
 
-def goal_rows(rec: Recorder, path: str) -> list[list[str]]:
-    """The issue's goals with the measured ratio and a verdict (points not measured are listed as such)."""
+def goal_rows(rec: Recorder, path: str, compiled: bool = False) -> list[list[str]]:
+    """The issue's goals with the measured ratio and a verdict (points not measured are listed as such);
+    ``compiled``: judged on each way's compiled step (its ms/token over DynamicCache eager's), prefill apart."""
     rows = []
     for model, batch, context, mode, field, bound in GOALS:
-        name = f"{MODE_TEXT[mode]}, {context} tokens, batch {batch}: ms/token <= {bound:.2f}x Dynamic"
+        step = ", compiled step" if compiled else ""
+        name = f"{MODE_TEXT[mode]}{step}, {context} tokens, batch {batch}: ms/token <= {bound:.2f}x Dynamic"
         i = point_index(rec, path, model, 1, batch, context)
         if i is None:
             rows.append([name, "not measured", "-"])
             continue
-        if mode not in rec.load(path)["points"][i]["results"]:  # a run of some ways only
+        key = mode + COMPILED if compiled else mode
+        if key not in rec.load(path)["points"][i]["results"]:  # a run of some ways only
             continue
-        src = at(path, f"points.{i}.results.{mode}.{field}")
+        src = at(path, f"points.{i}.results.{key}.{field}")
         rows.append([name, rec.fig("r2", src), verdict(rec.value(src) <= bound)])
     i = point_index(rec, path, "smollm2", 1, 1, 8192)
-    if i is not None:
+    if i is not None and not compiled:
         modes = [m for m in rec.load(path)["points"][i]["results"] if m in MODE_TEXT]  # eager rows
         worst = max(modes, key=lambda m: rec.load(path)["points"][i]["results"][m]["prefill_ratio"])
         src = at(path, f"points.{i}.results.{worst}.prefill_ratio")
@@ -312,7 +317,17 @@ def e2e_compiled(rec: Recorder) -> Body:
 def e2e_later(rec: Recorder) -> Body:
     """Every way again on one machine in one run per point, eager and compiled side by side, with batch 4 beside
     it; the issue's goals judged on these runs."""
-    p = LATER
+    return _eager_and_compiled(rec, LATER, LATER_BATCH4)
+
+
+def e2e_compiled_latest(rec: Recorder) -> Body:
+    """Every way eager and compiled again after a change to the compiled CPU step; the issue's goals judged on this
+    run, on the eager steps and on the compiled ones."""
+    return _eager_and_compiled(rec, COMPILED_LATEST, None)
+
+
+def _eager_and_compiled(rec: Recorder, p: str, batch4: str | None) -> Body:
+    """The section of a run of every way eager and compiled (``p``), with a batch-4 run (``batch4``) beside it."""
     d = rec.load(p)
     header = ["way", "eager ms/token (x Dynamic)", "eager KV MiB", "compiled ms/token (x Dynamic)",
               "x StaticCache compiled", "compiled KV MiB", "first step (compiles), s"]  # fmt: skip
@@ -322,13 +337,13 @@ def e2e_later(rec: Recorder) -> Body:
             f"{pt['model']}, {pt['threads']} thread(s), batch {pt['batch']}, {pt['context']} tokens (git {pt['git']}); "
             f"fastest: {fastest(rec, p, i)}:\n\n" + table(header, compiled_rows(rec, p, i))
         )
-    goals = [r for r in goal_rows(rec, p) if r[1] != "not measured"]
+    goals = [r for compiled in (False, True) for r in goal_rows(rec, p, compiled) if r[1] != "not measured"]
     commands = list(d["commands"])
-    if rec.exists(LATER_BATCH4):
-        b4 = rec.load(LATER_BATCH4)
-        parts += [series_table(rec, LATER_BATCH4, *key) for key in series(rec, LATER_BATCH4)]
+    if batch4 is not None and rec.exists(batch4):
+        b4 = rec.load(batch4)
+        parts += [series_table(rec, batch4, *key) for key in series(rec, batch4)]
         parts += [b4["note"]] if b4.get("note") else []
-        goals += [r for r in goal_rows(rec, LATER_BATCH4) if r[1] != "not measured" and "prefill" not in r[0]]
+        goals += [r for r in goal_rows(rec, batch4) if r[1] != "not measured" and "prefill" not in r[0]]
         commands += b4["commands"]
     header = ["goal", "measured", "verdict"]
     parts.append("Goals (ratios to DynamicCache eager in the same run):\n\n" + table(header, goals))
