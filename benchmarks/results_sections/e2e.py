@@ -396,9 +396,11 @@ def _results_key(rec: Recorder, batch: int) -> str | None:
 
 
 def _latest(rec: Recorder, batch: int) -> tuple[str, str, str] | None:
-    """Path, key prefix and section of the SmolLM2 results at 8192 tokens, 1 thread, ``batch`` rows: the latest eager
-    run where it has them, else the later run of every way, else the first run (None when none does)."""
-    runs = [(EAGER_LATEST, "End-to-end decode, eager, the latest run")]
+    """Path, key prefix and section of the SmolLM2 results at 8192 tokens, 1 thread, ``batch`` rows: the latest run of
+    every way eager and compiled, else the latest eager run, where they have them, else the later run of every way,
+    else the first run (None when none does)."""
+    runs = [(COMPILED_LATEST, "End-to-end decode, compiled step, the latest run")] if batch == 1 else []
+    runs.append((EAGER_LATEST, "End-to-end decode, eager, the latest run"))
     runs.append((LATER if batch == 1 else LATER_BATCH4, "End-to-end decode, a later run of every way"))
     for later, section in runs:
         i = point_index(rec, later, "smollm2", 1, batch, 8192) if rec.exists(later) else None
@@ -422,10 +424,18 @@ def headline_e2e(rec: Recorder) -> tuple[str, str, str] | None:
         if i is not None:
             ratio["quant4"] = rec.fig("r2", at(QUANT_CODES, f"points.{i}.results.quant4.ms_ratio"))
             run = " (4-bit: read as codes, a later run)"
+    results = rec.load(p)["points"][point_index(rec, p, "smollm2", 1, 1, 8192)]["results"]
+    ways = ("exact", "quest_1_8", "routed", "quant4")
+    if all(m + COMPILED in results for m in ways):  # the same ways' compiled steps, in the same run
+        compiled = {m: rec.fig("r2", at(p, r + f"{m}{COMPILED}.ms_ratio")) for m in ways}
+        run += (
+            f"; compiled steps: exact {compiled['exact']}x, Quest 1/8 {compiled['quest_1_8']}x, routed "
+            f"{compiled['routed']}x, 4-bit {compiled['quant4']}x"
+        )
     return (
         "Decode vs DynamicCache end to end, SmolLM2, 8192 tokens",
         f"ms/token: exact {ratio['exact']}x, Quest 1/8 {ratio['quest_1_8']}x, routed {ratio['routed']}x, 4-bit "
-        f"{ratio['quant4']}x DynamicCache's{run} (1 thread, batch 1)",
+        f"{ratio['quant4']}x DynamicCache's eager{run} (1 thread, batch 1)",
         section,
     )
 
