@@ -17,9 +17,9 @@ operator, ``torch.ops.pikv.quant_decode`` (CPU; on CUDA the Triton backend reads
 ``torch.ops.pikv.paged_decode_q4``), called directly in eager code and traced under ``torch.compile``
 (``kernels._triton.eager_direct``): a dispatch mode (``benchmarks/count_ops.py``) counts the read as the one kernel it
 is on a GPU. Traced, inductor's code for it is the faster: a compiled SmolLM2 step of a 4-bit cache at 8k tokens ran
-at 0.84x DynamicCache's so, 1.01x with the operator running this implementation (two runs). A plan that keeps its frame's width in a
-compiled step (Quest's plans over a store group) goes through ``torch.ops.pikv.quant_read`` instead, which reads no
-more than the plan's longest row.
+at 0.84x DynamicCache's so, 1.01x with the operator running this implementation (two runs). A plan that keeps its
+frame's width in a compiled step (Quest's plans over a store group) goes through ``torch.ops.pikv.quant_read``
+instead, which reads no more than the plan's longest row.
 """
 
 from __future__ import annotations
