@@ -17,7 +17,7 @@ import torch
 
 from pikv_hf.attention.codes import Scratch, quant_decode
 from pikv_hf.attention.merge import merge_partials, sink_partial
-from pikv_hf.attention.packed import FLASH_CPU, packed_decode
+from pikv_hf.attention.packed import FLASH_CPU, packed_decode, packed_slots
 from pikv_hf.attention.reference import _SCORE_BUDGET_BYTES, allowed_mask, masked_attention
 from pikv_hf.kernels._triton import runs_eagerly
 from pikv_hf.kernels.decode_quant import QUANT_FIELDS
@@ -348,9 +348,7 @@ class TorchBackend:
             keys, values = (store.pool[name] for name in store.kv_fields)
             o, lse, lengths = torch.ops.pikv.packed_read(query, keys, values, start, plan.pages, scale)
             return o, lse, lengths if count else None
-        present = plan.pages >= 0
-        lengths = present.sum(-1)  # [B, H]
-        flat = (start.unsqueeze(-1) + plan.pages).masked_select(present)
+        lengths, flat = packed_slots(start, plan.pages)
         keys, values = store.codec.decode(
             {name: self._gather(store, name, flat).view(flat.numel(), -1) for name in store.kv_fields}
         )

@@ -60,6 +60,14 @@ def packed_decode(
     return o, lse
 
 
+def packed_slots(start: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lengths`` (``[B, H]``, entries of each row of ``pages`` that are pages) and their pool page ids ``[M]``,
+    packed row-major, from local page ids ``pages`` (``[B, H, W]``, ``-1``: none) of runs starting at ``start``
+    (``[B, H]``)."""
+    present = pages >= 0
+    return present.sum(-1), (start.unsqueeze(-1) + pages).masked_select(present)
+
+
 def _packed_read(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -68,9 +76,7 @@ def _packed_read(
     pages: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    present = pages >= 0
-    lengths = present.sum(-1)
-    flat = (start.unsqueeze(-1) + pages).masked_select(present)
+    lengths, flat = packed_slots(start, pages)
     k, v = (field.index_select(0, flat).view(flat.numel(), -1) for field in (keys, values))
     o, lse = packed_decode(query, k, v, lengths, scale)
     return o, lse, lengths
