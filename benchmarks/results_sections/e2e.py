@@ -16,6 +16,7 @@ LATER = f"{BENCH}/e2e_later_cpu.json"
 EAGER_LATEST = f"{BENCH}/e2e_eager_latest_cpu.json"  # eager ways only, after the 4-bit read's scratch
 # every way eager and compiled, after the compiled CPU step read packed / Quest-over-a-tier plans through operators
 COMPILED_LATEST = f"{BENCH}/e2e_compiled_latest_cpu.json"
+COMPILED_LATEST_BATCH4 = f"{BENCH}/e2e_compiled_latest_batch4_cpu.json"  # dynamic and routed, eager and compiled
 LATER_BATCH4 = f"{BENCH}/e2e_later_batch4_cpu.json"
 MODE_TEXT = {
     "dynamic": "DynamicCache (model's SDPA)",
@@ -317,28 +318,32 @@ def e2e_compiled(rec: Recorder) -> Body:
 def e2e_later(rec: Recorder) -> Body:
     """Every way again on one machine in one run per point, eager and compiled side by side, with batch 4 beside
     it; the issue's goals judged on these runs."""
-    return _eager_and_compiled(rec, LATER, LATER_BATCH4)
+    return _eager_and_compiled(rec, (LATER,), LATER_BATCH4)
 
 
 def e2e_compiled_latest(rec: Recorder) -> Body:
     """Every way eager and compiled again after a change to the compiled CPU step; the issue's goals judged on this
     run, on the eager steps and on the compiled ones."""
-    return _eager_and_compiled(rec, COMPILED_LATEST, None)
+    return _eager_and_compiled(rec, (COMPILED_LATEST, COMPILED_LATEST_BATCH4), None)
 
 
-def _eager_and_compiled(rec: Recorder, p: str, batch4: str | None) -> Body:
-    """The section of a run of every way eager and compiled (``p``), with a batch-4 run (``batch4``) beside it."""
-    d = rec.load(p)
+def _eager_and_compiled(rec: Recorder, runs: tuple[str, ...], batch4: str | None) -> Body:
+    """The section of runs of every way eager and compiled (``runs``, those that exist; the first gives the
+    settings), with an eager batch-4 run (``batch4``) beside them."""
+    d = rec.load(runs[0])
     header = ["way", "eager ms/token (x Dynamic)", "eager KV MiB", "compiled ms/token (x Dynamic)",
               "x StaticCache compiled", "compiled KV MiB", "first step (compiles), s"]  # fmt: skip
-    parts = [d["note"]] if d.get("note") else []
-    for i, pt in enumerate(d["points"]):
-        parts.append(
-            f"{pt['model']}, {pt['threads']} thread(s), batch {pt['batch']}, {pt['context']} tokens (git {pt['git']}); "
-            f"fastest: {fastest(rec, p, i)}:\n\n" + table(header, compiled_rows(rec, p, i))
-        )
-    goals = [r for compiled in (False, True) for r in goal_rows(rec, p, compiled) if r[1] != "not measured"]
-    commands = list(d["commands"])
+    parts, goals, commands = [], [], []
+    for p in (path for path in runs if rec.exists(path)):
+        run = rec.load(p)
+        parts += [run["note"]] if run.get("note") else []
+        for i, pt in enumerate(run["points"]):
+            parts.append(
+                f"{pt['model']}, {pt['threads']} thread(s), batch {pt['batch']}, {pt['context']} tokens (git "
+                f"{pt['git']}); fastest: {fastest(rec, p, i)}:\n\n" + table(header, compiled_rows(rec, p, i))
+            )
+        goals += [r for compiled in (False, True) for r in goal_rows(rec, p, compiled) if r[1] != "not measured"]
+        commands += run["commands"]
     if batch4 is not None and rec.exists(batch4):
         b4 = rec.load(batch4)
         parts += [series_table(rec, batch4, *key) for key in series(rec, batch4)]
@@ -357,7 +362,7 @@ def _eager_and_compiled(rec: Recorder, p: str, batch4: str | None) -> Body:
             "(median ms/token), nothing else running on the machine"
         ),
         commands=commands,
-        machine=machine_text(rec, p),
+        machine=machine_text(rec, runs[0]),
         reads="as the eager section above",
         budget="as the eager section above",
         text="\n\n".join(parts),
