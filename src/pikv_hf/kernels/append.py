@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from pikv_hf.kernels import _triton
 from pikv_hf.kernels._host import next_power_of_2
 from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
 
@@ -249,14 +248,9 @@ def _append_one_fake(open_page, *rest):
     return open_page.new_empty(open_page.shape[:2])
 
 
-def _append_one_traced(*args):
-    """Under ``torch.compile``: the operator on CUDA (its one kernel writes in place; inductor's code for the torch
-    reference copied every layer's whole K and V pool twice per step on an H100: 5.7 of a compiled exact step's 8.8
-    GPU ms at 32k x batch 8), the torch reference on the CPU (inductor fuses it into the step and writes in place):
-    ``_triton.traced_as_operator``."""
-    return (append_one_op if _triton.traced_as_operator(args[0]) else append_one_reference)(*args)
-
-
 # Append one token per (row, head) (arguments of :func:`append_one_reference`): ``torch.ops.pikv.append_one`` in eager
-# code (one kernel launch on CUDA); traced, as above
-append_one = eager_direct(append_one_op, append_one_kernel, _append_one_cpu, traced=_append_one_traced)
+# code (one kernel launch on CUDA). Traced (``eager_direct`` asks ``_triton.traced_as_operator``): the operator on CUDA
+# (its one kernel writes in place; inductor's code for the torch reference copied every layer's whole K and V pool
+# twice per step on an H100: 5.7 of a compiled exact step's 8.8 GPU ms at 32k x batch 8), the torch reference on the
+# CPU (inductor fuses it into the step and writes in place)
+append_one = eager_direct(append_one_op, append_one_kernel, _append_one_cpu)
