@@ -13,7 +13,12 @@
   reach the bandwidth limit: an H100 SM issues at most 4 warp instructions a cycle (about 7.9 per ns at 1.98 GHz) and
   its share of 3.35 TB/s is 25.4 B/ns, so a read below about 3.2 B per warp instruction is bound by issuing
   instructions before it is bound by memory (``issue_bound_pct_of_peak``: the share of peak bandwidth at which the SM
-  would issue every cycle).
+  would issue every cycle);
+* ``conversions_per_slot``: the loop's type conversions (``I2F``, ``I2FP``, ``F2F``, ``F2FP``, ``F2I``, each counted as
+  one warp instruction) per slot; an SM converts 16 values a clock, against 128 float adds (CUDA C++ Programming
+  Guide, arithmetic instruction throughput, compute capability 8.x and 9.0), so a warp conversion takes 2 clocks of
+  the SM's converters: ``conversion_bound_pct_of_peak`` is the share of peak bandwidth at which they would be busy
+  every cycle, and ``bound_pct_of_peak`` the lower of the two bounds.
 
 Static numbers, not timings: they explain the GPU timings of ``benchmarks/kernels.py`` and rank designs before a GPU is
 at hand. ~1 minute on a CPU.
@@ -43,22 +48,25 @@ from pikv_hf.kernels import decode, decode_quant, place_key, quest, route_select
 
 REGS_PER_SM, SHARED_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 SM_ISSUE_PER_NS, SM_BYTES_PER_NS = 4 * 1.98, 3350 / 132  # H100 SXM: warp instructions and HBM bytes per SM per ns
+SM_CONVERT_PER_NS = 16 / 32 * 1.98  # warp instructions of type conversion per SM per ns (16 values a clock)
+CONVERSIONS = ("I2F", "I2FP", "F2F", "F2FP", "F2I")  # SASS opcodes of the conversion unit
 D, G, GROUP = 128, 4, 64  # head dim, query rows per KV head, 4-bit value group
 
 
-def loop_instructions(sass: str) -> tuple[int, int, int]:
-    """``(instructions, tensor-core instructions, tensor-core instructions of the whole kernel)`` of the longest loop:
-    the span of the backward branch that covers the most addresses (the tile loop of a split kernel, which holds
-    every dot)."""
+def loop_instructions(sass: str) -> tuple[int, int, int, int]:
+    """``(instructions, tensor-core instructions, tensor-core instructions of the whole kernel, type conversions)`` of
+    the longest loop: the span of the backward branch that covers the most addresses (the tile loop of a split kernel,
+    which holds every dot)."""
     code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     spans = [(int(m.group(1), 16), a) for a, text in code if (m := re.search(r"BRA (0x[0-9a-f]+)", text))]
     spans = [(lo, hi) for lo, hi in spans if lo < hi]
     mma = sum("MMA" in text for _, text in code)
     if not spans:
-        return 0, 0, mma
+        return 0, 0, mma, 0
     lo, hi = max(spans, key=lambda s: s[1] - s[0])
     body = [text for a, text in code if lo <= a <= hi]
-    return len(body), sum("MMA" in text for text in body), mma
+    opcodes = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text in body]
+    return len(body), sum("MMA" in text for text in body), mma, sum(op in CONVERSIONS for op in opcodes)
 
 
 def occupancy(regs: int, shared: int, warps: int) -> int:
@@ -91,8 +99,11 @@ def split_row(
         "maxnreg": maxnreg,
         **resources(compiled, warps),
     }
-    loop, loop_mma, mma = loop_instructions(cuobjdump(compiled, "-sass"))
+    loop, loop_mma, mma, conversions = loop_instructions(cuobjdump(compiled, "-sass"))
     per_slot_instr = loop * warps / block_n
+    per_slot_conv = conversions * warps / block_n
+    issue = 100 * min(1.0, per_slot / per_slot_instr * SM_ISSUE_PER_NS / SM_BYTES_PER_NS)
+    convert = 100 * min(1.0, per_slot / per_slot_conv * SM_CONVERT_PER_NS / SM_BYTES_PER_NS) if conversions else 100.0
     row.update(
         loop_instructions=loop,
         loop_mma=loop_mma,
@@ -100,11 +111,15 @@ def split_row(
         warp_instructions_per_slot=per_slot_instr,
         bytes_per_slot=per_slot,
         bytes_per_warp_instruction=per_slot / per_slot_instr,
-        issue_bound_pct_of_peak=100 * min(1.0, per_slot / per_slot_instr * SM_ISSUE_PER_NS / SM_BYTES_PER_NS),
+        issue_bound_pct_of_peak=issue,
+        conversions_per_slot=per_slot_conv,
+        conversion_bound_pct_of_peak=convert,
+        bound_pct_of_peak=min(issue, convert),
     )
     print(f"{name:28s} BLOCK_N {block_n:3d} warps {warps} stages {stages} cap {maxnreg or '-':>3}: "
           f"{row['registers']:3d} regs, {row['spill_bytes']:4d} B spilled, {row['programs_per_sm']} per SM, "
-          f"{per_slot_instr:5.1f} warp instr / slot, {row['bytes_per_warp_instruction']:5.2f} B / warp instr",
+          f"{per_slot_instr:5.1f} warp instr / slot, {row['bytes_per_warp_instruction']:5.2f} B / warp instr, "
+          f"{per_slot_conv:5.2f} conversions / slot: bound at {row['bound_pct_of_peak']:5.1f}% of peak",
           flush=True)  # fmt: skip
     return row
 
@@ -173,7 +188,8 @@ def main() -> None:
         "triton": triton.__version__,
         "shape": {"query_rows_per_kv_head": G, "head_dim": D, "dtype": "bfloat16", "value_group": GROUP},
         "sm": {"registers": REGS_PER_SM, "shared_bytes": SHARED_PER_SM, "warps": WARPS_PER_SM,
-               "issue_warp_instructions_per_ns": SM_ISSUE_PER_NS, "hbm_bytes_per_ns": SM_BYTES_PER_NS},
+               "issue_warp_instructions_per_ns": SM_ISSUE_PER_NS, "hbm_bytes_per_ns": SM_BYTES_PER_NS,
+               "conversion_warp_instructions_per_ns": SM_CONVERT_PER_NS},
         "split_kernels": split_kernels(args.tiles),
         "selection_kernels": selection_kernels(),
     }  # fmt: skip

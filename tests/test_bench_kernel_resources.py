@@ -24,6 +24,10 @@ def test_kernel_resources_benchmark_counts_the_tile_loop(tmp_path):
         assert r["block_n"] == 32 and 0 < r["registers"] <= 255 and r["programs_per_sm"] >= 1, r
         assert 0 < r["loop_mma"] == r["kernel_mma"] and r["loop_instructions"] > r["loop_mma"], r
         assert r["warp_instructions_per_slot"] == pytest.approx(r["loop_instructions"] * r["warps"] / 32)
+        assert r["bound_pct_of_peak"] == min(r["issue_bound_pct_of_peak"], r["conversion_bound_pct_of_peak"]), r
+    # codes become floats from bits: the 4-bit loops keep only the softmax's packing conversions (10.5-12.5 per slot
+    # with one integer-to-float conversion per code)
+    assert max(r["conversions_per_slot"] for r in rows if r["bits"] == 4) < 5
     per_instr = {bits: [r["bytes_per_warp_instruction"] for r in rows if r["bits"] == bits] for bits in (4, 16)}
     assert max(per_instr[4]) < min(per_instr[16])
     plan = next(r for r in d["selection_kernels"] if r["kernel"] == "routed_plan")

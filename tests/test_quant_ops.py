@@ -17,8 +17,15 @@ from torch._dynamo.backends.debugging import aot_eager
 from pikv_hf import PiKVCache
 from pikv_hf.codecs.quant import QuantCodec
 from pikv_hf.kernels import dequant
-from pikv_hf.kernels.decode import _reference_slots, decode_attention_reference
-from pikv_hf.kernels.decode_quant import decode_attention_quant, dequantize_pages, q4_fits, quantize_pages
+from pikv_hf.kernels._triton import jit, tl
+from pikv_hf.kernels.decode import _exact_float, _reference_slots, decode_attention_reference
+from pikv_hf.kernels.decode_quant import (
+    _dot_codes,
+    decode_attention_quant,
+    dequantize_pages,
+    q4_fits,
+    quantize_pages,
+)
 from pikv_hf.presses import QuantPress
 from pikv_hf.tiny import tiny_model
 
@@ -200,6 +207,30 @@ def test_4bit_operator_on_the_cpu_without_the_interpreter_runs_the_reference(mon
     _assert_close(local[:2], want, 1e-5)
 
 
+
+@jit
+def _codes_kernel(x_ptr, lo_ptr, hi_ptr, N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    i = tl.arange(0, N)
+    byte = tl.load(x_ptr + i)
+    if DOT_DTYPE == tl.float32:  # the dequantising kernels' float32 codes
+        lo, hi = _exact_float(byte & 15), _exact_float(byte >> 4)
+    else:  # the 4-bit kernel's dot operands
+        lo, hi = _dot_codes(byte & 15, DOT_DTYPE), _dot_codes(byte >> 4, DOT_DTYPE)
+    tl.store(lo_ptr + i, lo.to(tl.float32))
+    tl.store(hi_ptr + i, hi.to(tl.float32))
+
+
+@pytest.mark.parametrize("dot_dtype", ["float32", "float16"])
+def test_codes_built_from_bits_equal_their_integers(dot_dtype):
+    """The kernels make 4-bit codes floats from bits (``decode._exact_float``, ``decode_quant._dot_codes``), not
+    with an integer-to-float conversion: both nibbles of every byte must come out as their integers, exactly.
+    (``_dot_codes``' bfloat16 case, the same construction on ``0x4300``, runs on CUDA only, in the 4-bit kernel's
+    bfloat16 test: the interpreter's bfloat16 arithmetic is wrong in triton 3.9, see ``decode._dot_dtype``.)"""
+    byte = torch.arange(256, dtype=torch.uint8, device=KERNEL_DEVICE)
+    lo, hi = (torch.full((256,), -1.0, device=KERNEL_DEVICE) for _ in range(2))
+    _codes_kernel[(1,)](byte, lo, hi, N=256, DOT_DTYPE=getattr(tl, dot_dtype))
+    assert torch.equal(lo, (byte & 15).float()) and torch.equal(hi, (byte >> 4).float())
+
 def test_4bit_operator_passes_opcheck():
     case, quant, _, _ = _quant_case(4, 64, 64, 16, torch.float32, 64)
     args = (case.query, quant.kq, quant.vq, quant.k_scale, quant.k_zero, quant.v_scale, quant.v_zero, case.pos,
@@ -209,7 +240,7 @@ def test_4bit_operator_passes_opcheck():
 
 _COMPILE_SM90 = """
 import triton.language as tl
-from sm90 import compile_sm90, registers
+from sm90 import compile_sm90, cuobjdump, registers
 from pikv_hf.kernels import decode, decode_quant, dequant
 
 for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
@@ -217,6 +248,7 @@ for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
                  DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", GROUP=group, TABLE=1, SPAN=4096, BLOCK_N=block_n)
     k = compile_sm90(decode_quant._split_q4_kernel, const, num_warps=4, num_stages=3)
     print(f"q4-{page}", k.metadata.shared)
+    print(f"i2f-q4-{page}", cuobjdump(k, "-sass").count("I2F"))
     if page == 64:  # the autotuner's configurations capped in registers
         for block_n, warps, stages in decode_quant._Q4_CAPPED:
             k = compile_sm90(decode_quant._split_q4_kernel, const | dict(BLOCK_N=block_n), num_warps=warps,
@@ -225,6 +257,7 @@ for page, block_n, group in ((64, 64, 64), (16, 128, 128), (128, 64, 32)):
 const = dict(P=64, DK=128, DV=128, BITS=4, GROUP=64, BLOCK_P=16, BLOCK_BK=64, BLOCK_BV=64)
 k = compile_sm90(dequant._dequant_kernel, const, num_warps=4, num_stages=3)
 print("dequant", k.metadata.shared)
+print("i2f-dequant", cuobjdump(k, "-sass").count("I2F"))
 """
 
 
@@ -232,10 +265,14 @@ def test_4bit_kernels_compile_for_sm90_without_a_gpu():
     """The CUDA front end compiles what the interpreter does not check (dot shapes and dtypes, layouts of the
     nibble halves): the 4-bit decode kernel (a tile in one page and over several pages, one to four value groups)
     and the dequantisation kernel must compile for sm_90 with bfloat16 dots, in a subprocess without
-    ``TRITON_INTERPRET``; so must the autotuner's register-capped configurations of the 4-bit kernel, within their
-    cap."""
+    ``TRITON_INTERPRET``, with no integer-to-float conversion per code; so must the autotuner's register-capped
+    configurations of the 4-bit kernel, within their cap."""
     built = dict(line.split() for line in run_without_interpreter(_COMPILE_SM90).split("\n") if line)
     capped = {k: int(built.pop(k)) for k in list(built) if k.startswith("capped-")}
+    # codes become floats from bits (decode._exact_float): the few integer-to-float conversions left are the tile's
+    # counts and positions, not one per code (132 to 260 per kernel before)
+    conversions = {k: int(built.pop(k)) for k in list(built) if k.startswith("i2f-")}
+    assert len(conversions) == 4 and max(conversions.values()) <= 4, conversions
     assert sorted(capped) == ["capped-4", "capped-8"] and max(capped.values()) <= 128  # maxnreg holds
     assert sorted(built) == ["dequant", "q4-128", "q4-16", "q4-64"]
     assert all(int(built[name]) > 0 for name in ("q4-128", "q4-16", "q4-64"))  # the dots stage tiles in shared memory

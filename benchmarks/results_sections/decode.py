@@ -317,6 +317,7 @@ def kernels(rec: Recorder) -> Body:
 # ------------------------------------------------------------------------------------------------ kernel resources
 
 KERNEL_RESOURCES = f"{BENCH}/kernel_resources_sm90.json"
+KERNEL_RESOURCES_BEFORE = f"{BENCH}/kernel_resources_sm90_26a5023.json"  # codes converted by I2F, one per code
 
 
 def kernel_resources(rec: Recorder) -> Body:
@@ -333,11 +334,13 @@ def kernel_resources(rec: Recorder) -> Body:
             + [
                 rec.fig("r2", at(p, k + "bytes_per_warp_instruction")),
                 rec.fig("pct", at(p, k + "issue_bound_pct_of_peak")),
+                rec.fig("r2", at(p, k + "conversions_per_slot")),
+                rec.fig("pct", at(p, k + "conversion_bound_pct_of_peak")),
             ]
         )
     header = ["kernel", "BLOCK_N", "warps", "stages", "register cap", "registers / thread", "spilled B / thread",
               "programs / SM", "warp instructions / slot", "bytes / slot", "bytes / warp instruction",
-              "issue-bound % of HBM peak"]  # fmt: skip
+              "issue-bound % of HBM peak", "conversions / slot", "conversion-bound % of HBM peak"]  # fmt: skip
     text = table(header, rows)
     small = [
         [r["kernel"]]
@@ -355,13 +358,26 @@ def kernel_resources(rec: Recorder) -> Body:
         lo = rec.fig(fmt, agg("min", p, "split_kernels", field, bits=bits))
         return f"{lo}-{rec.fig(fmt, agg('max', p, 'split_kernels', field, bits=bits))}"
 
+    def best(path: str, kernel: str) -> str:
+        return rec.fig("pct", agg("max", path, "split_kernels", "bound_pct_of_peak", kernel=kernel))
+
+    before = KERNEL_RESOURCES_BEFORE
     text += (
         f"\n\nThe split kernels of 16-bit pages carry {span('bytes_per_warp_instruction', 16)} bytes per warp "
         "instruction, so memory bounds them long before instruction issue does; the 4-bit kernels carry "
         f"{span('bytes_per_warp_instruction', 4)}, so an SM issuing every cycle would read 4-bit pages at "
         f"{span('issue_bound_pct_of_peak', 4, 'pct')}% of HBM peak at most: they are bound by instructions "
-        "(unpacking, conversion, per-tile reductions), which is why on the H100 and H200 they read 4-bit pages no "
-        "faster than the 16-bit kernel reads 16-bit ones."
+        "(unpacking, per-tile reductions). Their codes become floats from bits (`decode._exact_float`, "
+        "`decode_quant._dot_codes`: the code as the mantissa of a float whose ulp is 1, less that float) instead of "
+        "one integer-to-float conversion each, which an SM runs at 16 a clock: in the kernels of 26a5023 "
+        f"(`{before.rsplit('/', 1)[-1]}`) the conversions bounded the 4-bit kernels before instruction issue did, "
+        f"{rec.fig('r2', agg('min', before, 'split_kernels', 'conversions_per_slot', bits=4))}-"
+        f"{rec.fig('r2', agg('max', before, 'split_kernels', 'conversions_per_slot', bits=4))} per slot. The best "
+        "configuration of each, bound at the lower of the two bounds: codes dotted "
+        f"{best(before, '4-bit, codes dotted')}% of peak then, {best(p, '4-bit, codes dotted')}% now; dequantised "
+        f"{best(before, '4-bit, dequantised')}% then, {best(p, '4-bit, dequantised')}% now. On the H100 and H200 "
+        "(before this change) the 4-bit kernels read 4-bit pages no faster than the 16-bit kernel reads 16-bit ones; "
+        "the next GPU run measures the change."
     )
     return Body(
         measured=(
@@ -371,9 +387,11 @@ def kernel_resources(rec: Recorder) -> Body:
             f"{d['shape']['value_group']}), every autotune configuration; registers and spills read from the cubin, "
             "SASS instructions of one pass of the tile loop, programs per SM from registers, shared memory and warps; "
             "issue-bound share of peak: bytes per warp instruction x 4 issues per cycle at 1.98 GHz over an H100 SM's "
-            "share of 3.35 TB/s (static numbers, not timings)"
+            "share of 3.35 TB/s; conversion-bound share: the same with the loop's type conversions (I2F, F2F, F2FP, "
+            "F2I, each one warp instruction) at 16 values a clock per SM (CUDA C++ Programming Guide, arithmetic "
+            "instruction throughput, compute capability 9.0) (static numbers, not timings)"
         ),
-        commands=[d["command"]],
+        commands=[d["command"], rec.load(before)["command"]],
         machine=machine_text(rec, p),
         reads=NA_READS,
         budget="not applicable",

@@ -48,7 +48,9 @@ the ``[BLOCK_N, D]`` tile:
 
 The bytes read per slot and KV head are ``(Dk + Dv) / 2`` of codes, ``4 * Dv / G`` of value scales and zeros and
 ``4 * Dk / P`` of key scales and zeros (float16), against ``2 * (Dk + Dv)`` for bfloat16 K/V: 3.6x fewer at
-``D = 128``, ``G = P = 64``; the per-element work is a mask or a shift and a conversion per code. The rest (tiles,
+``D = 128``, ``G = P = 64``; the per-element work is a mask or a shift and a logic op per code, and a packed
+half-precision add per two (``_dot_codes``: the float is built from bits, no integer-to-float conversion, which
+Hopper runs at an eighth of a float add's rate; ``benchmarks/kernel_resources.py`` counts both). The rest (tiles,
 splits, plan masks, the log-sum-exp merge) is ``decode.py``'s (``_tile``, ``_geometry`` with ``auto_splits``,
 ``_partials``, ``_merge``).
 """
@@ -65,6 +67,7 @@ from pikv_hf.kernels.decode import (
     _LOG2E,
     _TUNE_FROM_SLOTS,
     _dot_dtype,
+    _exact_float,
     _geometry,
     _merge,
     _online_softmax,
@@ -226,6 +229,20 @@ def q4_fits(dk: int, dv: int, group: int) -> bool:
     return pow2(dk) and pow2(dv) and group % 2 == 0 and dv // group <= _Q4_MAX_GROUPS
 
 
+@jit
+def _dot_codes(x, DOT_DTYPE: tl.constexpr):
+    """4-bit codes (integers in ``[0, 16)``) as ``DOT_DTYPE`` operands of a dot, exactly, built from bits rather than
+    converted (``decode._exact_float``): for a 16-bit float the code as the low mantissa bits of the float whose ulp is
+    1 (bfloat16 ``0x4300`` = 128, float16 ``0x6400`` = 1024), less that float, two codes per packed half-precision
+    add; float32 through ``_exact_float``."""
+    if DOT_DTYPE == tl.bfloat16:
+        return (x.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 128.0
+    elif DOT_DTYPE == tl.float16:
+        return (x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return _exact_float(x)
+
+
 def _split_q4_kernel_fn(
     q_ptr,
     kq_ptr,
@@ -309,8 +326,8 @@ def _split_q4_kernel_fn(
             kz_o = tl.load(kz_ptr + at + 1, mask=has, other=0.0).to(tl.float32)
             qk_e = (q_e * ks_e[None, :]).to(DOT_DTYPE)
             qk_o = (q_o * ks_o[None, :]).to(DOT_DTYPE)
-            s = tl.dot(qk_e, tl.trans((kb & 15).to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-            s = tl.dot(qk_o, tl.trans((kb >> 4).to(DOT_DTYPE)), s, input_precision=DOT_PRECISION)
+            s = tl.dot(qk_e, tl.trans(_dot_codes(kb & 15, DOT_DTYPE)), input_precision=DOT_PRECISION)
+            s = tl.dot(qk_o, tl.trans(_dot_codes(kb >> 4, DOT_DTYPE)), s, input_precision=DOT_PRECISION)
             s = s + tl.sum(q_e * kz_e[None, :] + q_o * kz_o[None, :], 1)[:, None]
         else:  # slots of several pages: each code scaled by its page's channel scale
             at = page.to(tl.int64)[:, None] * DK + 2 * ik[None, :]
@@ -318,16 +335,16 @@ def _split_q4_kernel_fn(
             ks_o = tl.load(ks_ptr + at + 1, mask=load[:, None], other=0.0).to(tl.float32)
             kz_e = tl.load(kz_ptr + at, mask=load[:, None], other=0.0).to(tl.float32)
             kz_o = tl.load(kz_ptr + at + 1, mask=load[:, None], other=0.0).to(tl.float32)
-            k_e = ((kb & 15).to(tl.float32) * ks_e + kz_e).to(DOT_DTYPE)
-            k_o = ((kb >> 4).to(tl.float32) * ks_o + kz_o).to(DOT_DTYPE)
+            k_e = (_exact_float(kb & 15) * ks_e + kz_e).to(DOT_DTYPE)
+            k_o = (_exact_float(kb >> 4) * ks_o + kz_o).to(DOT_DTYPE)
             s = tl.dot(q_e.to(DOT_DTYPE), tl.trans(k_e), input_precision=DOT_PRECISION)
             s = tl.dot(q_o.to(DOT_DTYPE), tl.trans(k_o), s, input_precision=DOT_PRECISION)
         p, alpha, m_i, count = _online_softmax(
             s * qk_scale, ok, pos, qpos_rows, qpos_last, m_i, count, sliding_window, HAS_SLIDING
         )  # fmt: skip
         vb = tl.load(vq_ptr + slot[:, None] * HV + iv[None, :], mask=load[:, None], other=0)
-        v_lo = (vb & 15).to(DOT_DTYPE)
-        v_hi = (vb >> 4).to(DOT_DTYPE)
+        v_lo = _dot_codes(vb & 15, DOT_DTYPE)
+        v_hi = _dot_codes(vb >> 4, DOT_DTYPE)
         acc_e = acc_e * alpha[:, None]
         acc_o = acc_o * alpha[:, None]
         for g in tl.static_range(NG):  # scales / zeros of slots not read count as 0 (they may hold NaN)

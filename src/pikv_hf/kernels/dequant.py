@@ -16,6 +16,7 @@ import torch
 
 from pikv_hf.kernels._host import cdiv, next_power_of_2
 from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
+from pikv_hf.kernels.decode import _exact_float
 from pikv_hf.kernels.decode_quant import QuantPages, _check_bits, dequantize_pages
 
 _BLOCK_P = 16  # slots per program
@@ -47,7 +48,7 @@ def _dequant_rows(
     byte = tl.load(codes_ptr + slot[:, None] * NB + i[None, :], mask=ok, other=0).to(tl.int32)
     for j in tl.static_range(PER):
         c = i * PER + j
-        code = ((byte >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        code = _exact_float((byte >> (j * BITS)) & ((1 << BITS) - 1))
         if PER_PAGE:
             at = n * D + c[None, :]
             s_ok = (i < NB)[None, :]
