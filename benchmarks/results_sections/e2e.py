@@ -17,6 +17,7 @@ EAGER_LATEST = f"{BENCH}/e2e_eager_latest_cpu.json"  # eager ways only, after th
 # every way eager and compiled, after the compiled CPU step read packed / Quest-over-a-tier plans through operators
 COMPILED_LATEST = f"{BENCH}/e2e_compiled_latest_cpu.json"
 COMPILED_LATEST_BATCH4 = f"{BENCH}/e2e_compiled_latest_batch4_cpu.json"  # dynamic and routed, eager and compiled
+COMPILED_BATCH4_RUN2 = f"{BENCH}/e2e_compiled_batch4_run2_cpu.json"  # the same point again, a later session
 LATER_BATCH4 = f"{BENCH}/e2e_later_batch4_cpu.json"
 MODE_TEXT = {
     "dynamic": "DynamicCache (model's SDPA)",
@@ -324,7 +325,7 @@ def e2e_later(rec: Recorder) -> Body:
 def e2e_compiled_latest(rec: Recorder) -> Body:
     """Every way eager and compiled again after a change to the compiled CPU step; the issue's goals judged on this
     run, on the eager steps and on the compiled ones."""
-    return _eager_and_compiled(rec, (COMPILED_LATEST, COMPILED_LATEST_BATCH4), None)
+    return _eager_and_compiled(rec, (COMPILED_LATEST, COMPILED_LATEST_BATCH4, COMPILED_BATCH4_RUN2), None)
 
 
 def _eager_and_compiled(rec: Recorder, runs: tuple[str, ...], batch4: str | None) -> Body:
@@ -334,7 +335,8 @@ def _eager_and_compiled(rec: Recorder, runs: tuple[str, ...], batch4: str | None
     header = ["way", "eager ms/token (x Dynamic)", "eager KV MiB", "compiled ms/token (x Dynamic)",
               "x StaticCache compiled", "compiled KV MiB", "first step (compiles), s"]  # fmt: skip
     parts, goals, commands = [], [], []
-    for p in (path for path in runs if rec.exists(path)):
+    present = [path for path in runs if rec.exists(path)]
+    for p in present:
         run = rec.load(p)
         parts += [run["note"]] if run.get("note") else []
         for i, pt in enumerate(run["points"]):
@@ -342,7 +344,10 @@ def _eager_and_compiled(rec: Recorder, runs: tuple[str, ...], batch4: str | None
                 f"{pt['model']}, {pt['threads']} thread(s), batch {pt['batch']}, {pt['context']} tokens (git "
                 f"{pt['git']}); fastest: {fastest(rec, p, i)}:\n\n" + table(header, compiled_rows(rec, p, i))
             )
-        goals += [r for compiled in (False, True) for r in goal_rows(rec, p, compiled) if r[1] != "not measured"]
+        rows = [r for compiled in (False, True) for r in goal_rows(rec, p, compiled) if r[1] != "not measured"]
+        if len(present) > 1:  # the run each measurement comes from
+            rows = [[goal, f"{measured} ({p.rsplit('/', 1)[-1]})", verdict] for goal, measured, verdict in rows]
+        goals += rows
         commands += run["commands"]
     if batch4 is not None and rec.exists(batch4):
         b4 = rec.load(batch4)
