@@ -19,7 +19,8 @@ the JSON is rewritten after every way, so a run cut short still leaves what it m
   not compile is recorded with its error);
 - ``generate``: ``model.generate(past_key_values=PiKVCache(model, max_cache_len=N))`` taking transformers' automatic
   compile of the decode step (on a CPU forced with a ``CompileConfig``): graph breaks, graphs compiled, ms/token and
-  whether its tokens equal the same generate run eagerly.
+  whether its tokens equal the same generate run eagerly;
+- ``tuned``: the configuration each autotuned kernel chose per key (``pikv_hf.kernels.decode.tuned_choices``).
 
 ``--budget-s`` bounds the whole run (a way that would start after it is recorded as skipped); ``--tiny`` runs the
 same code on the CPU with tiny shapes in seconds (``tests/test_bench_gpu.py``).
@@ -66,6 +67,7 @@ from transformers import (
 
 import pikv_hf
 from pikv_hf import PiKVCache
+from pikv_hf.kernels.decode import tuned_choices
 
 
 @dataclass(frozen=True)
@@ -433,6 +435,7 @@ class Runner:
 
     def write(self) -> None:
         self.result["elapsed_s"] = time.monotonic() - self.start
+        self.result["tuned"] = tuned_choices()
         tmp = self.args.out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.result, indent=1))
         tmp.replace(self.args.out)

@@ -28,7 +28,9 @@ on the device.
   its page selection (pages of 16, 1/8 read), at the largest ``--tokens`` x the first ``--batch`` (both timed
   first, so that a run cut short still has them);
 * on CUDA, ``graph_step``: the attention of a ``--graph-layers`` layer decode step at 25% selection captured in a
-  CUDA graph, against its bytes bound (attention only: selection precomputed, no projections or MLPs).
+  CUDA graph, against its bytes bound (attention only: selection precomputed, no projections or MLPs);
+* ``tuned``: the configuration (tile, warps, stages, register cap) the autotuner chose for each kernel and key
+  (page size, bits, the span of a split, ...) of the run (``pikv_hf.kernels.decode.tuned_choices``; empty on CPU).
 
 Random keys: this measures speed only.
 
@@ -54,7 +56,7 @@ from bench_cache import median_ms, read_bandwidth_gbs, run_metadata, write_resul
 from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.codecs.quant import QuantCodec
 from pikv_hf.kernels import gather_pages, gather_pages_reference, quest
-from pikv_hf.kernels.decode import auto_splits, decode_attention
+from pikv_hf.kernels.decode import auto_splits, decode_attention, tuned_choices
 from pikv_hf.kernels.decode_quant import QUANT_FIELDS, QuantPages, decode_attention_quant
 from pikv_hf.kernels.route_select import route_select
 from pikv_hf.kernels.routed_plan import routed_plan
@@ -502,6 +504,7 @@ def main() -> None:
             "routed_selection": selection,
             "quest_selection": quest_sel,
             "graph_step": graph,
+            "tuned": tuned_choices(),
             "targets": check_targets(cases, graph) if cuda else "GPU targets not evaluated: no CUDA (torch path timed)",
             "complete": complete,
         }  # fmt: skip

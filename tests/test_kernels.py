@@ -451,3 +451,44 @@ def test_short_reads_get_splits_until_every_sm_has_a_program(monkeypatch):
     assert decode.auto_splits(cuda, 8, 512) == 8  # a short plan: one tile per split, 64 programs
     assert decode.auto_splits(cuda, 8, 100_000) == 64  # capped at _MAX_SPLITS
     assert decode.auto_splits(torch.device("cpu"), 8, 4096) == 1
+
+
+def test_autotuned_kernels_tune_once_per_key_then_launch_the_chosen_configuration_directly():
+    """``launch_tuned`` (both split kernels on CUDA): the autotuner runs on the first call of a key (its key values and
+    the argument dtypes), later calls of that key launch the jitted kernel with the chosen options, another key tunes
+    again, and ``tuned_choices`` reports each choice (what the benchmarks record)."""
+    from types import SimpleNamespace
+
+    from pikv_hf.kernels import decode
+
+    calls = []
+
+    def fake_split_kernel():  # the name tuned_choices reports
+        pass
+
+    class Tuner:  # triton.autotune's surface that launch_tuned uses
+        keys = ["PAGE", "SPAN"]
+        best_config = SimpleNamespace(all_kwargs=lambda: {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3})
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(("tuned", grid, k))
+
+    class Jitted:
+        fn = fake_split_kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: calls.append(("direct", grid, k))
+
+    tuner = Tuner()
+    tuner.fn = Jitted()
+    x16, x32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    for args, span in (((x16, 3), 4096), ((x16, 5), 4096), ((x32, 3), 4096), ((x16, 3), 512)):
+        decode.launch_tuned(tuner, (2, 1), args, {"PAGE": 16, "SPAN": span, "G": 4})
+    assert [c[0] for c in calls] == ["tuned", "direct", "tuned", "tuned"]  # another dtype or span: tuned again
+    assert calls[1] == ("direct", (2, 1), {"PAGE": 16, "SPAN": 4096, "G": 4, "BLOCK_N": 128, "num_warps": 8,
+                                           "num_stages": 3})  # fmt: skip
+    mine = [c for c in decode.tuned_choices() if c["kernel"] == "fake_split_kernel"]
+    assert [c["key"] for c in mine] == [{"PAGE": "16", "SPAN": "4096"}] * 2 + [{"PAGE": "16", "SPAN": "512"}]
+    assert mine[0]["config"] == {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+    for key in [k for k in decode._TUNED if k[0] is tuner]:  # leave the process's table as it was
+        del decode._TUNED[key]

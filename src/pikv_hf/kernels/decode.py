@@ -369,10 +369,36 @@ if HAVE_TRITON and not interpreted(_split_kernel):
         configs=tuned_configs(_CONFIGS, _CAPPED),
         key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL", "HAS_LEN", "SPAN", "TABLE"],
     )(triton.jit(_split_kernel_fn))
-# the autotuner's key (and the argument dtypes) -> its best configuration's launch options, filled by the first call
-# of each key; later calls launch the jitted kernel with them directly (the autotuner's own per-call work, a few
-# dicts over ~40 arguments, is host time on every eager decode call)
+# (autotuned kernel, its key's values, the argument dtypes) -> the best configuration's launch options, filled by the
+# first call of each key (launch_tuned)
 _TUNED: dict[tuple, dict] = {}
+
+
+def launch_tuned(kernel, grid: tuple, args: tuple, consts: dict) -> None:
+    """Launch the autotuned ``kernel`` (a ``triton.autotune`` object whose key names are all in ``consts``) on
+    ``grid``: the first call of a key (its values and the argument dtypes) lets the autotuner pick and compile a
+    configuration; later calls launch the jitted kernel with it directly, without the autotuner's own per-call work
+    (a few dicts over ~40 arguments: host time on every eager decode call)."""
+    key = (kernel, *(consts[name] for name in kernel.keys), *(getattr(a, "dtype", None) for a in args))
+    config = _TUNED.get(key)
+    if config is None:
+        kernel[grid](*args, **consts)
+        _TUNED[key] = kernel.best_config.all_kwargs()
+    else:
+        kernel.fn[grid](*args, **consts, **config)
+
+
+def tuned_choices() -> list[dict]:
+    """The configurations the autotuner chose in this process, one per key of :func:`launch_tuned`: the kernel's
+    name, its key's values and the launch options (tile, warps, stages, register cap), for a benchmark to record."""
+    return [
+        {
+            "kernel": key[0].fn.fn.__name__,
+            "key": dict(zip(key[0].keys, (str(v) for v in key[1 : 1 + len(key[0].keys)]), strict=True)),
+            "config": {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool)) or v is None},
+        }
+        for key, config in _TUNED.items()
+    ]
 
 
 @jit
@@ -569,14 +595,7 @@ def _launch(
         if not tuned:
             _split_kernel[grid](*tensors, *scalars, **consts, BLOCK_N=_BLOCK_N, num_warps=4, num_stages=2)
         else:
-            key = (geo.page, geo.dk, geo.dv, geo.block_r, bits, consts["HAS_FULL"], consts["HAS_LEN"], consts["SPAN"],
-                   table, *(t.dtype for t in tensors))  # fmt: skip
-            config = _TUNED.get(key)
-            if config is None:  # first call of this key: the autotuner picks (and compiles) the configuration
-                _split_kernel_tuned[grid](*tensors, *scalars, **consts)
-                _TUNED[key] = _split_kernel_tuned.best_config.all_kwargs()
-            else:  # then the jitted kernel is launched with it directly, without the autotuner's per-call work
-                _split_kernel_tuned.fn[grid](*tensors, *scalars, **consts, **config)
+            launch_tuned(_split_kernel_tuned, grid, (*tensors, *scalars), consts)
     return _merge(geo, o_part, lse_part, counts, sinks)
 
 

@@ -78,6 +78,7 @@ from pikv_hf.kernels.decode import (
     _store_split,
     _tile,
     check_decode_args,
+    launch_tuned,
     launches_directly,
     run_decode,
     tuned_configs,
@@ -397,21 +398,26 @@ def _launch_q4(
             row_start = torch.zeros(geo.b, dtype=torch.int64, device=dev)
         unused = qpos  # pointer of an absent optional input (its constexpr switch keeps it unread)
         tuned = _split_q4_kernel_tuned is not None and geo.n_slots >= _TUNE_FROM_SLOTS
-        kernel = _split_q4_kernel_tuned if tuned else _split_q4_kernel
         dot_dtype = _dot_dtype(query.dtype, interpreted(_split_q4_kernel))
-        fixed = {} if tuned else dict(BLOCK_N=_Q4_BLOCK_N, num_warps=4, num_stages=2)
-        kernel[(geo.b * geo.h, geo.splits, geo.row_tiles)](
+        grid = (geo.b * geo.h, geo.splits, geo.row_tiles)
+        args = (
             query, kq, vq, k_scale, k_zero, v_scale, v_zero, pos, valid.view(torch.uint8),
             unused if pages is None else pages, unused if run_start is None else run_start,
             unused if lengths is None else lengths, unused if page_full is None else page_full.view(torch.uint8),
             unused if row_start is None else row_start, qpos, o_part, lse_part, counts,
             query.stride(0), query.stride(1), query.stride(2), geo.h, geo.n, geo.splits, n_sink, window,
-            sliding_window, scale * _LOG2E, G=geo.g, Q=geo.q, PAGE=geo.page, DK=geo.dk, DV=geo.dv,
-            BLOCK_R=geo.block_r, HAS_LEN=lengths is not None, HAS_FULL=page_full is not None,
-            HAS_SLIDING=sliding_window > 0, DOT_DTYPE=dot_dtype,
-            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", GROUP=group,
-            TABLE=0 if run_start is None else 1 if pages is not None else 2, SPAN=geo.span if tuned else 1, **fixed,
+            sliding_window, scale * _LOG2E,
         )  # fmt: skip
+        consts = dict(
+            G=geo.g, Q=geo.q, PAGE=geo.page, DK=geo.dk, DV=geo.dv, BLOCK_R=geo.block_r, HAS_LEN=lengths is not None,
+            HAS_FULL=page_full is not None, HAS_SLIDING=sliding_window > 0, DOT_DTYPE=dot_dtype,
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", GROUP=group,
+            TABLE=0 if run_start is None else 1 if pages is not None else 2, SPAN=geo.span if tuned else 1,
+        )  # fmt: skip
+        if tuned:
+            launch_tuned(_split_q4_kernel_tuned, grid, args, consts)
+        else:
+            _split_q4_kernel[grid](*args, **consts, BLOCK_N=_Q4_BLOCK_N, num_warps=4, num_stages=2)
     return _merge(geo, o_part, lse_part, counts, sinks)
 
 
