@@ -175,10 +175,12 @@ def test_4bit_kernel_rows_splits_sliding_window_sinks_lengths_and_attended():
 
 
 def test_4bit_kernel_takes_only_the_shapes_it_is_built_for():
-    """Head dims that are no powers of two, value groups of odd size or more than four groups per head go through
-    ``decode.py``'s kernel (``paged_decode`` with ``bits = 4``), with the same result."""
-    assert q4_fits(128, 128, 32) and q4_fits(64, 64, 64) and q4_fits(32, 64, 16)
-    assert not q4_fits(96, 96, 32) and not q4_fits(128, 128, 16) and not q4_fits(16, 16, 16)
+    """Head dims that are no powers of two or under 64 (keys) / 32 (values), value groups under 32 channels or more
+    than four groups per head go through ``decode.py``'s kernel (``paged_decode`` with ``bits = 4``), with the same
+    result."""
+    assert q4_fits(128, 128, 32) and q4_fits(64, 64, 64) and q4_fits(64, 32, 32) and q4_fits(256, 128, 128)
+    assert not q4_fits(96, 96, 32) and not q4_fits(128, 128, 16) and not q4_fits(32, 64, 32)
+    assert not q4_fits(64, 64, 48) and not q4_fits(64, 256, 32)
     case, quant, keys, values = _quant_case(4, 64, 64, 16, torch.float32, 8)  # eight groups: the generic kernel
     args = (case.query, quant, case.pos, case.valid, case.table, case.qpos, 0.125)
     with count_ops.OpCounter() as counter:
@@ -279,10 +281,10 @@ def test_4bit_kernels_compile_for_sm90_without_a_gpu():
 
 
 def test_a_compiled_step_over_a_4bit_tier_calls_the_4bit_operator_in_one_graph_and_equals_eager():
-    """Triton backend (kernels interpreted on CPU), head dim 32 and value groups of 16: the compressed tier of every
+    """Triton backend (kernels interpreted on CPU), head dim 64 and value groups of 32: the compressed tier of every
     layer is read by ``paged_decode_q4`` inside one ``fullgraph`` graph (the hot store by ``paged_decode``), and the
     compiled step equals the eager one."""
-    model = tiny_model("llama", seed=0, head_dim=32)
+    model = tiny_model("llama", seed=0, head_dim=64)
     cache = PiKVCache(model, max_cache_len=48, attention_backend="triton", page_size=8)
     graphs = []
 
@@ -291,7 +293,7 @@ def test_a_compiled_step_over_a_4bit_tier_calls_the_4bit_operator_in_one_graph_a
         return aot_eager(gm, example_inputs)
 
     with torch.no_grad():
-        with QuantPress(bits=4, group_size=16, window=4)(model):
+        with QuantPress(bits=4, group_size=32, key_group_size=16, window=4)(model):
             model(torch.randint(3, 200, (1, 40), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
         assert cache.layers[0].tiers["compressed"].tokens_per_shard().sum() > 0
         reference = cache.fork()

@@ -318,6 +318,7 @@ def kernels(rec: Recorder) -> Body:
 
 KERNEL_RESOURCES = f"{BENCH}/kernel_resources_sm90.json"
 KERNEL_RESOURCES_BEFORE = f"{BENCH}/kernel_resources_sm90_26a5023.json"  # codes converted by I2F, one per code
+KERNEL_RESOURCES_BYTES = f"{BENCH}/kernel_resources_sm90_bbdcaf6.json"  # 4-bit keys as bytes, a dot pair per group
 
 
 def kernel_resources(rec: Recorder) -> Body:
@@ -376,8 +377,24 @@ def kernel_resources(rec: Recorder) -> Body:
         "configuration of each, bound at the lower of the two bounds: codes dotted "
         f"{best(before, '4-bit, codes dotted')}% of peak then, {best(p, '4-bit, codes dotted')}% now; dequantised "
         f"{best(before, '4-bit, dequantised')}% then, {best(p, '4-bit, dequantised')}% now. On the H100 and H200 "
-        "(before this change) the 4-bit kernels read 4-bit pages no faster than the 16-bit kernel reads 16-bit ones; "
-        "the next GPU run measures the change."
+        "(before these changes) the 4-bit kernels read 4-bit pages no faster than the 16-bit kernel reads 16-bit "
+        "ones; the next GPU run measures them."
+    )
+    words = KERNEL_RESOURCES_BYTES
+    q4 = "4-bit, codes dotted"
+
+    def fewest(path: str) -> str:
+        return rec.fig("r1", agg("min", path, "split_kernels", "warp_instructions_per_slot", kernel=q4))
+
+    text += (
+        " Then the 4-bit kernel read its key codes as bytes, whose dot operand the compiled code loaded from shared "
+        "memory a byte at a time (SASS `LDS.U8`), and took a pair of dots per value group over the whole head, "
+        "masking off the other groups' columns. It now reads key codes as 16-bit words (four code fields, channels "
+        "`4i + j`, against the same channels of the query) and the value groups as the batch of one pair of "
+        f"batched dots (`{words.rsplit('/', 1)[-1]}` holds the kernels before): best configuration "
+        f"{fewest(words)} -> {fewest(p)} warp instructions per slot, bound at {best(words, q4)}% -> "
+        f"{best(p, q4)}% of peak. Its dims must now be >= 64 (keys) with value groups of >= 32 channels; smaller "
+        "ones take the dequantising kernel."
     )
     return Body(
         measured=(
@@ -391,7 +408,7 @@ def kernel_resources(rec: Recorder) -> Body:
             "F2I, each one warp instruction) at 16 values a clock per SM (CUDA C++ Programming Guide, arithmetic "
             "instruction throughput, compute capability 9.0) (static numbers, not timings)"
         ),
-        commands=[d["command"], rec.load(before)["command"]],
+        commands=[d["command"], rec.load(before)["command"], rec.load(words)["command"]],
         machine=machine_text(rec, p),
         reads=NA_READS,
         budget="not applicable",

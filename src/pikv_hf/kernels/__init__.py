@@ -5,7 +5,7 @@
 * ``decode``: fused paged decode attention, GQA, split-KV partials merged by log-sum-exp (``decode_attention``,
   ``decode_attention_reference``);
 * ``decode_quant``: the same over int2 / int4 / int8 pages (``decode_attention_quant``; 4-bit pages through their
-  own kernel that dots the codes' nibble halves against the even / odd query channels), with the page layout's torch
+  own kernel that dots the codes' nibble fields against the matching query channels), with the page layout's torch
   ``quantize_pages`` / ``dequantize_pages``;
 * ``dequant``: quantised pages to dense K/V in one operator (``dequantize``, ``torch.ops.pikv.dequant_pages``);
 * ``merge``: two attention partials merged by log-sum-exp (``torch.ops.pikv.merge_partials``);

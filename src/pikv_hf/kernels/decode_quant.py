@@ -24,27 +24,29 @@ Dequantised: ``k[n, t, c] = code * k_scale[n, c] + k_zero[n, c]`` and
 ``scale = (max - min) / (2**b - 1)``). The torch reference of every kernel here is
 ``decode_attention_reference(query, *dequantize_pages(quant), ...)``.
 
-**4 bits: codes dotted as codes** (``torch.ops.pikv.paged_decode_q4``, used when ``Dk`` and ``Dv`` are powers of two
->= 32 and a value group is an even number of channels, at most 4 groups per head; other shapes and 2 / 8 bits take
-``decode.py``'s kernel with ``BITS > 0``, which dequantises every code and interleaves the fields in registers). Byte
-``i`` of a slot holds channel ``2i`` in its low nibble and ``2i + 1`` in its high nibble, so a tile's bytes
-``[BLOCK_N, D / 2]`` give two code matrices, ``lo = byte & 15`` (the even channels) and ``hi = byte >> 4`` (the odd
-ones), each already in the order of its half of the channels: no join / reshape / shuffle of unpacked codes. The
-query is loaded once per program as its even and odd halves ``q_e = q[:, 0::2]``, ``q_o = q[:, 1::2]``, and the
-output accumulates as ``acc_e`` / ``acc_o`` (stored to the even / odd channels at the end, strided stores). Codes are
-integers in [0, 15], exact in 16-bit floats, so the tensor cores take them as they are and the scales move out of
-the ``[BLOCK_N, D]`` tile:
+**4 bits: codes dotted as codes** (``torch.ops.pikv.paged_decode_q4``, used when ``Dk`` (>= 64) and ``Dv`` (>= 32)
+are powers of two and a value group is a power of two >= 32 channels, at most 4 groups per head: every dot's dims
+are then >= 16; other shapes and 2 / 8 bits take ``decode.py``'s kernel with ``BITS > 0``, which dequantises every
+code and interleaves the fields in registers). Codes are integers in [0, 15], exact in 16-bit floats, so the tensor
+cores take them as they are and the scales move out of the ``[BLOCK_N, D]`` tiles; no unpacked codes are joined,
+reshaped or shuffled:
 
-* keys: ``s = q . (code * k_scale + k_zero) = (q * k_scale) . code + q . k_zero`` with one scale and zero per page
-  and channel. When a tile lies in one page (``P >= BLOCK_N``) the scale is folded into the query, ``[BLOCK_R, D]``
-  products per tile instead of ``[BLOCK_N, D]`` (``BLOCK_R`` = 16 rows for a GQA group of 4 against tiles of
-  64-128 slots), ``s = (q_e * ks_e) @ lo^T + (q_o * ks_o) @ hi^T + q . k_zero``; smaller pages dequantise ``lo`` /
-  ``hi`` with their slots' page scales (still without the interleave).
-* values: ``o = sum_t p_t (code_t * vs_t + vz_t)`` with one scale and zero per slot and group of ``G`` channels:
-  ``o_g = (p * vs_g) @ code_g + (p . vz_g)``, the scale applied to the ``[BLOCK_R, BLOCK_N]`` probabilities after
-  the softmax, once per group, instead of to the ``[BLOCK_N, D]`` codes. With several groups per head each group
-  takes its own pair of dots whose columns outside the group are dropped (a few more tensor-core products, no
-  per-element work).
+* keys are read as 16-bit words (``[BLOCK_N, Dk / 4]``), word ``i`` holding channels ``4i .. 4i + 3`` in its four
+  nibbles (low bits first), so ``(word >> 4j) & 15`` is the code matrix of the channels ``4i + j``, dotted with those
+  channels of the query (``q<j> = q[:, j::4]``, loaded once per program). ``s = q . (code * k_scale + k_zero) =
+  sum_j (q<j> * ks<j>) @ code<j>^T + q . k_zero`` with one scale and zero per page and channel: when a tile lies in
+  one page (``P >= BLOCK_N``) the scales are folded into the query, ``[BLOCK_R, Dk]`` products per tile instead of
+  ``[BLOCK_N, Dk]`` (``BLOCK_R`` = 16 rows for a GQA group of 4 against tiles of 64-128 slots); smaller pages decode
+  each field with its slots' page scales. Words rather than bytes: the dot operand of byte codes was read from shared
+  memory a byte at a time (sm_90 SASS).
+* values: ``o = sum_t p_t (code_t * vs_t + vz_t)`` with one scale and zero per slot and group of ``G`` channels, so
+  per group ``o_g = (p * vs_g) @ code_g + (p . vz_g)``: the scale applied to the ``[BLOCK_R, BLOCK_N]`` probabilities
+  after the softmax instead of to the ``[BLOCK_N, Dv]`` codes. The codes load as ``[groups, BLOCK_N, G / 2]`` bytes,
+  byte ``i`` of a group holding its channels ``2i`` (low nibble) and ``2i + 1``, and the groups are the batch of two
+  batched dots (even and odd channels) into ``[groups, BLOCK_R, G / 2]`` accumulators: each product is one the
+  output needs (before, a pair of dots per group over the whole head, its other groups' columns masked off). Both
+  changes together: 71.8 -> 61.1 warp instructions per slot at sm_90 (``benchmarks/kernel_resources.py``, best
+  configuration; its JSON of 4bd2c4e holds the kernel before).
 
 The bytes read per slot and KV head are ``(Dk + Dv) / 2`` of codes, ``4 * Dv / G`` of value scales and zeros and
 ``4 * Dk / P`` of key scales and zeros (float16), against ``2 * (Dk + Dv)`` for bfloat16 K/V: 3.6x fewer at
@@ -213,7 +215,7 @@ def dequantize_pages(quant: QuantPages) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------- 4-bit kernel
 _Q4_BLOCK_N = 64  # slots per tile for small reads (large ones autotune it on CUDA)
-_Q4_MAX_GROUPS = 4  # value groups per head the 4-bit kernel takes (a pair of dots each)
+_Q4_MAX_GROUPS = 4  # value groups per head the 4-bit kernel takes (one batch of dots: [groups, ...] tiles)
 # (BLOCK_N, warps, stages) tried on CUDA: H100 / H200 at 16k-32k slots per row read 64-128-slot tiles; deeper pipelines
 # hide the latency of the small code loads (a 128-slot tile of 4-bit K and V is 16 KiB at D = 128)
 _Q4_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3),
@@ -222,12 +224,13 @@ _Q4_CAPPED = ((64, 4, 3), (64, 8, 3))  # again at most 128 registers a thread: 2
 
 
 def q4_fits(dk: int, dv: int, group: int) -> bool:
-    """Whether the 4-bit kernel takes these head dims and value group (module docstring)."""
+    """Whether the 4-bit kernel takes these head dims and value group (module docstring): each dot's dims are at least
+    16 (``Dk / 4`` key words, ``G / 2`` bytes of a value group)."""
 
-    def pow2(d: int) -> bool:
-        return d >= 32 and d & (d - 1) == 0
+    def pow2(d: int, least: int) -> bool:
+        return d >= least and d & (d - 1) == 0
 
-    return pow2(dk) and pow2(dv) and group % 2 == 0 and dv // group <= _Q4_MAX_GROUPS
+    return pow2(dk, 64) and pow2(dv, 32) and pow2(group, 32) and dv % group == 0 and dv // group <= _Q4_MAX_GROUPS
 
 
 @jit
@@ -242,6 +245,27 @@ def _dot_codes(x, DOT_DTYPE: tl.constexpr):
         return (x.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
     else:
         return _exact_float(x)
+
+
+@jit
+def _key_field(q, kw, ks_ptr, kz_ptr, at, has, s, qz, SHIFT: tl.constexpr, ONE_PAGE: tl.constexpr,
+               DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """One key field of a tile: the codes at bits ``SHIFT`` of the 16-bit words ``kw`` (``[BLOCK_N, DK / 4]``,
+    channels ``4i + SHIFT / 4``) dotted with ``q`` (``[BLOCK_R, DK / 4]``, the same channels of the query) into the
+    logits ``s``, the channels' scales and zeros at ``ks_ptr`` / ``kz_ptr`` + ``at``. ``ONE_PAGE``: the tile's page's
+    (``[DK / 4]``), the scales folded into the query and ``q * k_zero`` added to ``qz`` (``[BLOCK_R, DK / 4]``, summed
+    once per tile); else each slot's page's (``[BLOCK_N, DK / 4]``), the codes decoded."""
+    ks = tl.load(ks_ptr + at, mask=has, other=0.0).to(tl.float32)
+    kz = tl.load(kz_ptr + at, mask=has, other=0.0).to(tl.float32)
+    code = (kw >> SHIFT) & 15
+    if ONE_PAGE:
+        qk = (q * ks[None, :]).to(DOT_DTYPE)
+        s = tl.dot(qk, tl.trans(_dot_codes(code, DOT_DTYPE)), s, input_precision=DOT_PRECISION)
+        qz += q * kz[None, :]
+    else:
+        k = (_exact_float(code) * ks + kz).to(DOT_DTYPE)
+        s = tl.dot(q.to(DOT_DTYPE), tl.trans(k), s, input_precision=DOT_PRECISION)
+    return s, qz
 
 
 def _split_q4_kernel_fn(
@@ -290,18 +314,23 @@ def _split_q4_kernel_fn(
     BLOCK_N: tl.constexpr,
 ):
     """Program ``(b * H + h, split, row tile)`` of ``decode.py``'s stage 1 over 4-bit pages, the codes dotted as
-    codes in even / odd channel halves (module docstring); same partial outputs, so the same merge follows. ``TABLE``
-    as there: global page ids (0), local ids of the run starting at ``start_ptr[bh]`` (1), or the run's pages in
-    order (2, an exact read)."""
-    HK: tl.constexpr = DK // 2
-    HV: tl.constexpr = DV // 2
+    codes (module docstring: keys in four fields of 16-bit words, values per group in even / odd fields); same partial
+    outputs, so the same merge follows. ``TABLE`` as there: global page ids (0), local ids of the run starting at
+    ``start_ptr[bh]`` (1), or the run's pages in order (2, an exact read)."""
+    WK: tl.constexpr = DK // 4  # 16-bit words of a slot's key codes: word i holds channels 4i .. 4i + 3
+    HV: tl.constexpr = DV // 2  # bytes of a slot's value codes
     NG: tl.constexpr = DV // GROUP
+    BG: tl.constexpr = GROUP // 2  # bytes of a value group
     bh, b, h, rows, row_ok, qi, qpos_rows, qpos_last = _program(qpos_ptr, H, G, Q, BLOCK_R)
-    ik = tl.arange(0, HK)
-    iv = tl.arange(0, HV)
-    q_rows = b.to(tl.int64) * stride_qb + (h * G + rows // Q) * stride_qh + qi * stride_qt
-    q_e = tl.load(q_ptr + q_rows[:, None] + 2 * ik[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_o = tl.load(q_ptr + q_rows[:, None] + 2 * ik[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    iw = tl.arange(0, WK)
+    ib = tl.arange(0, BG)
+    gi = tl.arange(0, NG)
+    kq_words = kq_ptr.to(tl.pointer_type(tl.int16))
+    q_at = q_ptr + (b.to(tl.int64) * stride_qb + (h * G + rows // Q) * stride_qh + qi * stride_qt)[:, None] + 4 * iw
+    q0 = tl.load(q_at, mask=row_ok[:, None], other=0.0).to(tl.float32)  # channels 4i + j of the query: q<j>
+    q1 = tl.load(q_at + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_at + 2, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(q_at + 3, mask=row_ok[:, None], other=0.0).to(tl.float32)
     row_start = tl.load(row_start_ptr + b).to(tl.int32) if HAS_FULL else 0
     lo, hi = _split_slots(len_ptr, bh, n_table, num_splits, PAGE, BLOCK_N, HAS_LEN)
     row_table = table_ptr + bh.to(tl.int64) * n_table
@@ -309,64 +338,50 @@ def _split_q4_kernel_fn(
     full_row = full_ptr + bh.to(tl.int64) * n_table
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc_e = tl.zeros([BLOCK_R, HV], tl.float32)
-    acc_o = tl.zeros([BLOCK_R, HV], tl.float32)
+    acc_e = tl.zeros([NG, BLOCK_R, BG], tl.float32)  # per value group: its even and odd channels
+    acc_o = tl.zeros([NG, BLOCK_R, BG], tl.float32)
     count = tl.zeros([BLOCK_N], tl.int32)
     for start in range(lo, hi, BLOCK_N):
         page, slot, load, ok, pos = _tile(
             start, hi, row_table, run_first, full_row, pos_ptr, valid_ptr, row_start, qpos_last, n_sink, window,
             PAGE, BLOCK_N, HAS_FULL, TABLE,
         )  # fmt: skip
-        kb = tl.load(kq_ptr + slot[:, None] * HK + ik[None, :], mask=load[:, None], other=0)
-        if PAGE >= BLOCK_N:  # one page: its scales folded into the query, codes dotted as they are
-            at = page.to(tl.int64) * DK + 2 * ik
-            has = tl.zeros_like(ik) + page >= 0
-            ks_e = tl.load(ks_ptr + at, mask=has, other=0.0).to(tl.float32)
-            ks_o = tl.load(ks_ptr + at + 1, mask=has, other=0.0).to(tl.float32)
-            kz_e = tl.load(kz_ptr + at, mask=has, other=0.0).to(tl.float32)
-            kz_o = tl.load(kz_ptr + at + 1, mask=has, other=0.0).to(tl.float32)
-            qk_e = (q_e * ks_e[None, :]).to(DOT_DTYPE)
-            qk_o = (q_o * ks_o[None, :]).to(DOT_DTYPE)
-            s = tl.dot(qk_e, tl.trans(_dot_codes(kb & 15, DOT_DTYPE)), input_precision=DOT_PRECISION)
-            s = tl.dot(qk_o, tl.trans(_dot_codes(kb >> 4, DOT_DTYPE)), s, input_precision=DOT_PRECISION)
-            s = s + tl.sum(q_e * kz_e[None, :] + q_o * kz_o[None, :], 1)[:, None]
+        kw = tl.load(kq_words + slot[:, None] * WK + iw[None, :], mask=load[:, None], other=0)
+        ONE_PAGE: tl.constexpr = PAGE >= BLOCK_N  # the tile's page's scales folded into the query
+        if ONE_PAGE:
+            at = page.to(tl.int64) * DK + 4 * iw
+            has = tl.zeros_like(iw) + page >= 0
         else:  # slots of several pages: each code scaled by its page's channel scale
-            at = page.to(tl.int64)[:, None] * DK + 2 * ik[None, :]
-            ks_e = tl.load(ks_ptr + at, mask=load[:, None], other=0.0).to(tl.float32)
-            ks_o = tl.load(ks_ptr + at + 1, mask=load[:, None], other=0.0).to(tl.float32)
-            kz_e = tl.load(kz_ptr + at, mask=load[:, None], other=0.0).to(tl.float32)
-            kz_o = tl.load(kz_ptr + at + 1, mask=load[:, None], other=0.0).to(tl.float32)
-            k_e = (_exact_float(kb & 15) * ks_e + kz_e).to(DOT_DTYPE)
-            k_o = (_exact_float(kb >> 4) * ks_o + kz_o).to(DOT_DTYPE)
-            s = tl.dot(q_e.to(DOT_DTYPE), tl.trans(k_e), input_precision=DOT_PRECISION)
-            s = tl.dot(q_o.to(DOT_DTYPE), tl.trans(k_o), s, input_precision=DOT_PRECISION)
+            at = page.to(tl.int64)[:, None] * DK + 4 * iw[None, :]
+            has = load[:, None]
+        s = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+        qz = tl.zeros([BLOCK_R, WK], tl.float32)
+        s, qz = _key_field(q0, kw, ks_ptr, kz_ptr, at, has, s, qz, 0, ONE_PAGE, DOT_DTYPE, DOT_PRECISION)
+        s, qz = _key_field(q1, kw, ks_ptr, kz_ptr, at + 1, has, s, qz, 4, ONE_PAGE, DOT_DTYPE, DOT_PRECISION)
+        s, qz = _key_field(q2, kw, ks_ptr, kz_ptr, at + 2, has, s, qz, 8, ONE_PAGE, DOT_DTYPE, DOT_PRECISION)
+        s, qz = _key_field(q3, kw, ks_ptr, kz_ptr, at + 3, has, s, qz, 12, ONE_PAGE, DOT_DTYPE, DOT_PRECISION)
+        if ONE_PAGE:
+            s += tl.sum(qz, 1)[:, None]
         p, alpha, m_i, count = _online_softmax(
             s * qk_scale, ok, pos, qpos_rows, qpos_last, m_i, count, sliding_window, HAS_SLIDING
         )  # fmt: skip
-        vb = tl.load(vq_ptr + slot[:, None] * HV + iv[None, :], mask=load[:, None], other=0)
-        v_lo = _dot_codes(vb & 15, DOT_DTYPE)
-        v_hi = _dot_codes(vb >> 4, DOT_DTYPE)
-        acc_e = acc_e * alpha[:, None]
-        acc_o = acc_o * alpha[:, None]
-        for g in tl.static_range(NG):  # scales / zeros of slots not read count as 0 (they may hold NaN)
-            vs = tl.where(ok, tl.load(vs_ptr + slot * NG + g, mask=load, other=0.0).to(tl.float32), 0.0)
-            vz = tl.where(ok, tl.load(vz_ptr + slot * NG + g, mask=load, other=0.0).to(tl.float32), 0.0)
-            pv = (p * vs[None, :]).to(DOT_DTYPE)
-            zero = tl.sum(p * vz[None, :], 1)[:, None]
-            o_e = tl.dot(pv, v_lo, input_precision=DOT_PRECISION) + zero
-            o_o = tl.dot(pv, v_hi, input_precision=DOT_PRECISION) + zero
-            if NG == 1:
-                acc_e += o_e
-                acc_o += o_o
-            else:
-                in_g = ((2 * iv) // GROUP == g)[None, :]
-                acc_e += tl.where(in_g, o_e, 0.0)
-                acc_o += tl.where(in_g, o_o, 0.0)
+        # values, one batch of dots per group: [NG, BLOCK_R, BLOCK_N] scaled probabilities against [NG, BLOCK_N, BG]
+        # codes; scales / zeros of slots not read count as 0 (they may hold NaN)
+        vb = tl.load(vq_ptr + slot[None, :, None] * HV + gi[:, None, None] * BG + ib[None, None, :],
+                     mask=load[None, :, None], other=0)  # fmt: skip
+        vs = tl.load(vs_ptr + slot[None, :] * NG + gi[:, None], mask=load[None, :], other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + slot[None, :] * NG + gi[:, None], mask=load[None, :], other=0.0).to(tl.float32)
+        pv = (p[None, :, :] * tl.where(ok[None, :], vs, 0.0)[:, None, :]).to(DOT_DTYPE)
+        zero = tl.sum(p[None, :, :] * tl.where(ok[None, :], vz, 0.0)[:, None, :], 2)[:, :, None]
+        acc_e = acc_e * alpha[None, :, None] + zero
+        acc_o = acc_o * alpha[None, :, None] + zero
+        acc_e = tl.dot(pv, _dot_codes(vb & 15, DOT_DTYPE), acc_e, input_precision=DOT_PRECISION)
+        acc_o = tl.dot(pv, _dot_codes(vb >> 4, DOT_DTYPE), acc_o, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
     part, inv = _store_split(lse_ptr, count_ptr, bh, rows, row_ok, m_i, l_i, count, G, Q)
-    out = o_ptr + part[:, None] * DV + 2 * iv[None, :]
-    tl.store(out, acc_e * inv[:, None], mask=row_ok[:, None])
-    tl.store(out + 1, acc_o * inv[:, None], mask=row_ok[:, None])
+    out = o_ptr + part[None, :, None] * DV + gi[:, None, None] * GROUP + 2 * ib[None, None, :]
+    tl.store(out, acc_e * inv[None, :, None], mask=row_ok[None, :, None])
+    tl.store(out + 1, acc_o * inv[None, :, None], mask=row_ok[None, :, None])
 
 
 _split_q4_kernel = jit(_split_q4_kernel_fn)
