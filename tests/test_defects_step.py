@@ -47,14 +47,16 @@ SPARSE_FROM_READS = {
 }
 
 
-@pytest.mark.parametrize("mode", sorted(SPARSE_FROM_READS))
-def test_sparse_from_counts_each_rows_real_tokens(mode):
-    # rows of 30, 22 and 15 real tokens, left-padded into one batch, sparse_from=25: each row reads as it does alone
+@pytest.mark.parametrize("mode, page_size", [(m, p) for m in sorted(SPARSE_FROM_READS) for p in (4, 1)])
+def test_sparse_from_counts_each_rows_real_tokens(mode, page_size):
+    # rows of 30, 22 and 15 real tokens, left-padded into one batch, sparse_from=25: each row reads as it does alone.
+    # Pages of one token: a row below the threshold reads its whole frame while the others read sparsely, and such a
+    # read takes every planned page as one token (it read the run's reserved, unused pages as tokens too)
     threshold = 25
     model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(3, 256, (n,), generator=g) for n in ROW_LENGTHS]
-    read = dict(router="round_robin", page_size=4, sparse_from=threshold, **SPARSE_FROM_READS[mode])
+    read = dict(router="round_robin", page_size=page_size, sparse_from=threshold, **SPARSE_FROM_READS[mode])
     batch = PiKVCache(model, **read)
     in_batch = _decode(model, batch, rows)
     for i, row in enumerate(rows):
@@ -198,3 +200,22 @@ def test_reserved_hot_store_shrinks_to_what_is_left_after_a_press_moves_tokens()
     whole = layer._pages_for(400)
     assert int(layer.store.table.cap.max()) <= layer._pages_for(held) < whole  # 100 more tokens fitted
     assert reserved.get_seq_length() == 400
+
+
+@pytest.mark.parametrize("reserved", [False, True])
+def test_one_token_forwards_of_left_padding_take_no_slot(reserved):
+    """A chunked prefill of left-padded rows one token at a time (``generate(prefill_chunk_size=1)``) brings a row's
+    padding in one-token forwards: it takes no slot, so the logits and tokens equal DynamicCache's (the padding of a
+    one-token forward was stored as a real token); decode steps after it read no mask (``rows_started``)."""
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True, prefill_chunk_size=1)  # fmt: skip
+    cache = PiKVCache(model, max_cache_len=16) if reserved else PiKVCache(model)
+    want = ref.generate(ids, past_key_values=DynamicCache(), **kw)
+    got = model.generate(ids, past_key_values=cache, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True)) < 1e-5
+    assert cache.rows_started and int(cache.layers[0].get_seq_length()) == 10  # 7 prompt + 3 stored decode tokens

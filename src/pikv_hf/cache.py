@@ -218,12 +218,16 @@ class PiKVCache(ForwardAwareCache):
     def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
         """Called by the decoder's forward hook before the layers run: the padding among the ``new_tokens`` (the
         last columns of the 2-D ``attention_mask``; left padding takes no slot) and whether the forward runs the
-        ``"pikv"`` attention (else ``update`` returns tensors)."""
+        ``"pikv"`` attention (else ``update`` returns tensors). A one-token forward (a decode step) is read for
+        padding only until a forward brought real tokens in every row (``rows_started``): a chunked prefill of
+        left-padded rows may bring a row's padding one token at a time, a decode step never does, and reading the
+        mask would make every decode step wait for the device."""
         present = None
-        if attention_mask is not None and attention_mask.dim() == 2 and new_tokens > 1:
+        if attention_mask is not None and attention_mask.dim() == 2 and (new_tokens > 1 or not self.rows_started):
             mask = attention_mask[:, -new_tokens:].to(torch.bool)
             if not bool(mask.all()):
                 present = mask
+        self.rows_started = self.rows_started or present is None
         f = self._forward
         self._forwards.append(ForwardState(f.active, f.pikv, f.present))
         f.active, f.pikv, f.present, f.positions = True, pikv, present, None
@@ -300,6 +304,7 @@ class PiKVCache(ForwardAwareCache):
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise TypeError(f"max_length must be an int (a position, negative: from the end), got {max_length!r}")
         super().crop(max_length)
+        self.rows_started = False  # the next one-token forward is read for padding again (once)
 
     def fork(self) -> PiKVCache:
         """An independent copy of everything stored (pages, router and selector state, statistics).

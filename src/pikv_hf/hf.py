@@ -37,6 +37,9 @@ class ForwardAwareCache(Cache):
     (``undo_partial_forward``) or, where that is impossible, refuse further forwards until ``reset``."""
 
     out_of_step: str | None = None  # why the layers hold different positions (a failed undo), else None
+    # whether a forward brought only real tokens in every row since the last reset: left padding precedes each row's
+    # first real token, so a one-token forward is checked for padding (a host read) only before then
+    rows_started: bool = False
 
     def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
         raise NotImplementedError
@@ -62,6 +65,7 @@ class ForwardAwareCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.out_of_step = None
+        self.rows_started = False
 
 
 _PIKV_FORWARDS: list[bool] = []  # per forward in progress (nested ones too): does it read a PiKVCache via "pikv"?
@@ -215,7 +219,8 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
             # generate prepares a 4-D mask ahead of the forward for compileable caches: the cache masks by stored
             # positions, so only the padding is kept and the forward runs without that mask
             cache_position = argument("cache_position", args, kwargs)
-            mask = _padding_of_prepared_mask(mask, cache_position) if tokens.shape[1] > 1 else None
+            padded = tokens.shape[1] > 1 or not cache.rows_started
+            mask = _padding_of_prepared_mask(mask, cache_position) if padded else None
             if "attention_mask" in kwargs:
                 replaced = (args, {**kwargs, "attention_mask": None})
             else:

@@ -57,7 +57,9 @@ def whole_rows(plan: ReadPlan, store: PagedStore, rows: torch.Tensor) -> ReadPla
     extra = w - plan.pages.shape[-1]
     every = rows.view(-1, 1, 1)
     frame = torch.arange(w, device=store.device)
-    frame = torch.where(frame < store.table.cap.unsqueeze(-1), frame, -1)  # the frame runs past shorter runs
+    # the pages in use (the frame runs past shorter runs, and a run's reserved pages past its last hold nothing: a
+    # read of one-token pages takes every planned page as one token, without its valid bit)
+    frame = torch.where(frame < store.table.n_pages.unsqueeze(-1), frame, -1)
     pages = torch.where(every, frame, F.pad(plan.pages, (0, extra), value=-1))
     full = None if plan.page_full is None else F.pad(plan.page_full, (0, extra), value=False) | every
     return replace(plan, pages=pages, page_full=full, lengths=None)  # its rows' counts no longer hold
