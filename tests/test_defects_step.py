@@ -202,20 +202,25 @@ def test_reserved_hot_store_shrinks_to_what_is_left_after_a_press_moves_tokens()
     assert reserved.get_seq_length() == 400
 
 
-@pytest.mark.parametrize("reserved", [False, True])
-def test_one_token_forwards_of_left_padding_take_no_slot(reserved):
-    """A chunked prefill of left-padded rows one token at a time (``generate(prefill_chunk_size=1)``) brings a row's
-    padding in one-token forwards: it takes no slot, so the logits and tokens equal DynamicCache's (the padding of a
-    one-token forward was stored as a real token); decode steps after it read no mask (``rows_started``)."""
+@pytest.mark.parametrize("reserved, chunk", [(r, c) for r in (False, True) for c in (1, 3, 7, None)])
+def test_left_padded_chunked_prefill_equals_dynamic_cache(reserved, chunk):
+    """``generate(prefill_chunk_size=...)`` over left-padded rows of 7, 4 and 2 real tokens gives DynamicCache's logits
+    and tokens. Chunks of one token bring a row's padding in one-token forwards: it takes no slot (it was stored as a
+    real token). Decode steps read no mask once every row has had a real token (``rows_started``); a reserved cache
+    would otherwise read the padding off generate's prepared mask at the step's ``cache_position``, which after a
+    chunked prefill is one past the token's position (transformers 5.2), and drop the decode token as padding."""
     model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
-    ids = torch.randint(3, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 256, (3, 7), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[1, :2] = 0
+    mask[1, :3] = 0
+    mask[2, :5] = 0
     kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
-              output_logits=True, return_dict_in_generate=True, prefill_chunk_size=1)  # fmt: skip
+              output_logits=True, return_dict_in_generate=True, disable_compile=True)  # fmt: skip
+    if chunk is not None:
+        kw["prefill_chunk_size"] = chunk
     cache = PiKVCache(model, max_cache_len=16) if reserved else PiKVCache(model)
     want = ref.generate(ids, past_key_values=DynamicCache(), **kw)
     got = model.generate(ids, past_key_values=cache, **kw)
     assert torch.equal(got.sequences, want.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True)) < 1e-5
-    assert cache.rows_started and int(cache.layers[0].get_seq_length()) == 10  # 7 prompt + 3 stored decode tokens
+    assert cache.rows_started

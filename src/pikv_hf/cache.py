@@ -219,15 +219,16 @@ class PiKVCache(ForwardAwareCache):
         """Called by the decoder's forward hook before the layers run: the padding among the ``new_tokens`` (the
         last columns of the 2-D ``attention_mask``; left padding takes no slot) and whether the forward runs the
         ``"pikv"`` attention (else ``update`` returns tensors). A one-token forward (a decode step) is read for
-        padding only until a forward brought real tokens in every row (``rows_started``): a chunked prefill of
-        left-padded rows may bring a row's padding one token at a time, a decode step never does, and reading the
-        mask would make every decode step wait for the device."""
+        padding only until every row has had a real token (``rows_started``): a chunked prefill of left-padded rows
+        may bring a row's padding one token at a time, a decode step never does, and reading the mask would make
+        every decode step wait for the device."""
         present = None
         if attention_mask is not None and attention_mask.dim() == 2 and (new_tokens > 1 or not self.rows_started):
             mask = attention_mask[:, -new_tokens:].to(torch.bool)
             if not bool(mask.all()):
                 present = mask
-        self.rows_started = self.rows_started or present is None
+        # left padding precedes each row's first real token: a forward bringing one in every row ends it
+        self.rows_started = self.rows_started or present is None or bool(present.any(-1).all())
         f = self._forward
         self._forwards.append(ForwardState(f.active, f.pikv, f.present))
         f.active, f.pikv, f.present, f.positions = True, pikv, present, None

@@ -37,8 +37,8 @@ class ForwardAwareCache(Cache):
     (``undo_partial_forward``) or, where that is impossible, refuse further forwards until ``reset``."""
 
     out_of_step: str | None = None  # why the layers hold different positions (a failed undo), else None
-    # whether a forward brought only real tokens in every row since the last reset: left padding precedes each row's
-    # first real token, so a one-token forward is checked for padding (a host read) only before then
+    # whether every row has had a real token since the last reset: left padding precedes each row's first real
+    # token, so a one-token forward is checked for padding (a host read) only before then
     rows_started: bool = False
 
     def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
