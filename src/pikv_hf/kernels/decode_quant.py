@@ -46,7 +46,7 @@ reshaped or shuffled:
   batched dots (even and odd channels) into ``[groups, BLOCK_R, G / 2]`` accumulators: each product is one the
   output needs (before, a pair of dots per group over the whole head, its other groups' columns masked off). Both
   changes together: 71.8 -> 61.1 warp instructions per slot at sm_90 (``benchmarks/kernel_resources.py``, best
-  configuration; its JSON of 4bd2c4e holds the kernel before).
+  configuration; ``kernel_resources_sm90_bbdcaf6.json`` holds the kernel before).
 
 The bytes read per slot and KV head are ``(Dk + Dv) / 2`` of codes, ``4 * Dv / G`` of value scales and zeros and
 ``4 * Dk / P`` of key scales and zeros (float16), against ``2 * (Dk + Dv)`` for bfloat16 K/V: 3.6x fewer at
