@@ -21,6 +21,7 @@ from pikv_hf.presses import (
     H2OPress,
     LRUPlusPress,
     LRUPress,
+    PyramidPress,
     QuestPress,
     StreamingLLMPress,
     calibrate_heads,
@@ -28,6 +29,7 @@ from pikv_hf.presses import (
     save_heads,
 )
 from pikv_hf.presses.duo_attention_press import head_budgets
+from pikv_hf.presses.pyramid_press import pyramid_budgets
 from pikv_hf.presses.queries import model_queries
 from pikv_hf.tiny import tiny_model
 
@@ -337,6 +339,23 @@ def test_offloaded_tokens_are_read_back_and_counted(target, shipped_sparse_from)
 def test_bad_arguments(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("ratio", [1.0, -0.5])
+@pytest.mark.parametrize("build", [lambda: H2OPress(0.5), lambda: AdaKVPress(H2OPress(0.5)),
+                                   lambda: PyramidPress(0.5, scorer=H2OPress(), slope=0.5)])  # fmt: skip
+def test_a_ratio_set_after_construction_is_checked_before_the_cache_changes(build, ratio):
+    """kvpress's evaluation loops set ``press.compression_ratio`` on a built press: entering the press checks it again
+    (1.0 emptied every layer through AdaKV, -0.5 kept everything, and PyramidPress's budgets never returned)."""
+    model = tiny_model("llama", seed=0)
+    cache, press = PiKVCache(model), build()
+    press.compression_ratio = ratio
+    with pytest.raises(ValueError, match="compression_ratio must be a number in \\[0, 1\\)"):
+        with press(model):
+            model(prompt(12), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+    with pytest.raises(ValueError, match="compression_ratio must be a number in \\[0, 1\\)"):
+        pyramid_budgets(37, 3, ratio, 0.5)
 
 
 def test_unsupported_model_is_refused_before_the_cache_changes():

@@ -206,6 +206,9 @@ class PiKVPress:
 
     @contextmanager
     def __call__(self, model: nn.Module):
+        ratio = getattr(self, "compression_ratio", None)  # set again since construction (kvpress's evaluation loops)
+        if ratio is not None:
+            check_ratio("compression_ratio", ratio)
         hooks = []
         if self.stats_needed() or type(self).check_cache is not PiKVPress.check_cache:
             for layer in decoder_layers(model):

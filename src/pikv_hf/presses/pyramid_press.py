@@ -10,6 +10,7 @@ from kvpress.presses.snapkv_press import SnapKVPress
 from kvpress.utils import compute_n_kept
 from torch import nn
 
+from pikv_hf.checks import check_ratio
 from pikv_hf.presses.base import PiKVScorerPress
 from pikv_hf.view import DenseView
 
@@ -18,6 +19,7 @@ def pyramid_budgets(length: int, num_layers: int, compression_ratio: float, slop
     """Tokens kept per layer (per row and KV head) of a ``length``-token context: in proportion to
     ``1 + slope * (1 - 2 l / (L - 1))`` (``(1 + slope)`` times the mean at the first layer, ``(1 - slope)`` at the
     last), each in ``[1, length]``, summing to exactly ``L * compute_n_kept(length, compression_ratio)``."""
+    check_ratio("compression_ratio", compression_ratio)  # at 1 no budget of >= 1 token a layer sums to 0
     total = num_layers * compute_n_kept(length, compression_ratio)
     layer = torch.arange(num_layers, dtype=torch.float64)
     weight = 1 + slope * (1 - 2 * layer / max(num_layers - 1, 1))
