@@ -49,6 +49,14 @@ PREFILL = {  # presses acting at prefill: name -> factory(model)
     "duo_attention": lambda m: DuoAttentionPress(0.5, heads=_heads(m), n_sink=2),
     "pyramid": lambda m: PyramidPress(0.5, scorer=kvpress.KnormPress()),
     "knorm": lambda m: kvpress.KnormPress(0.5),  # kvpress's own scorer: its top-k on each row's own budget
+    # kvpress scorers that index keys against the hidden states (a window of the last queries, sinks, recent tokens):
+    # each row is scored on its own tokens (they read a short row's packed keys against the batch's padded hidden
+    # states: SnapKV, TOVA and kvpress's StreamingLLM kept other tokens in a batch)
+    "snapkv": lambda m: kvpress.SnapKVPress(0.5, window_size=4),
+    "tova": lambda m: kvpress.TOVAPress(0.5),
+    "kvpress_streaming_llm": lambda m: kvpress.StreamingLLMPress(0.5, n_sink=2),
+    "adakv_snapkv": lambda m: AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)),
+    "pyramid_snapkv": lambda m: PyramidPress(0.5, scorer=kvpress.SnapKVPress(window_size=4)),
 }
 DECODE = {  # DecodingBudgetPress over each base press that ranks decoding tokens from the cache's statistics
     "budget_h2o": lambda m: H2OPress(),

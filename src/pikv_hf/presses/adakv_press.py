@@ -10,7 +10,15 @@ from torch import nn
 
 from pikv_hf.checks import check_field_types
 from pikv_hf.layer import PiKVLayer
-from pikv_hf.presses.base import PiKVPress, PiKVScorerPress, check_offload, drop_or_offload, prefill_layer, row_budgets
+from pikv_hf.presses.base import (
+    PiKVPress,
+    PiKVScorerPress,
+    check_offload,
+    drop_or_offload,
+    kvpress_scores,
+    prefill_layer,
+    row_budgets,
+)
 from pikv_hf.routing.scores import descending_rank
 from pikv_hf.view import DenseView
 
@@ -75,7 +83,7 @@ class AdaKVPress(PiKVPress, kvpress.AdaKVPress):
         if isinstance(self.press, PiKVScorerPress):
             scores = self.press.score_view(module, kwargs, view, output[1])
         else:
-            scores = self.press.score(module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs)
+            scores = kvpress_scores(self.press, module, kwargs, view, output[1])
         n_kept = row_budgets(view.count, self.compression_ratio)
         drop_or_offload(layer, view, adaptive_keep(scores, view, n_kept, self.alpha_safeguard), self.offload)
 

@@ -109,6 +109,33 @@ def keep_mask(
     return proportional_keep(ranked, view.shard, present, budget)
 
 
+def kvpress_scores(
+    scorer: ScorerPress, module: nn.Module, kwargs: dict, view: DenseView, attentions: torch.Tensor | None
+) -> torch.Tensor:
+    """``[B, H, T]`` scores of ``view``'s entries from a kvpress-style ``scorer.score`` (which reads keys laid out as
+    on a DynamicCache, indexed against the hidden states: a window of the last queries, sinks and recent tokens by
+    index, budgets from the hidden states' length). The view packs each (row, head)'s tokens at the front, while the
+    hidden states of a left-padded batch hold the padding in front: a batch whose rows hold fewer tokens than the
+    hidden states is scored row by row, each row on its own tokens and the hidden states (and rotary embeddings) of
+    those tokens, as that row alone would be."""
+    hidden = kwargs["hidden_states"]
+    q = hidden.shape[1]
+    counts = view.count.amax(-1).tolist()  # tokens per row (prefill: a host read)
+    if all(n >= q for n in counts) or view.keys.shape[2] != q:
+        return scorer.score(module, hidden, view.keys, view.values, attentions, kwargs)
+    scores = torch.full(view.valid.shape, float("-inf"), device=hidden.device)
+    for b, n in enumerate(counts):
+        if not n:
+            continue
+        rope = kwargs.get("position_embeddings")
+        row = {**kwargs, "hidden_states": hidden[b : b + 1, q - n :]}
+        if rope is not None:
+            row["position_embeddings"] = tuple((t[b : b + 1] if t.shape[0] > 1 else t)[:, q - n :] for t in rope)
+        keys, values = view.keys[b : b + 1, :, :n], view.values[b : b + 1, :, :n]
+        scores[b, :, :n] = scorer.score(module, row["hidden_states"], keys, values, None, row)[0]
+    return scores
+
+
 def topk_keep(view: DenseView, scores: torch.Tensor, n_kept: torch.Tensor) -> torch.Tensor:
     """``[B, H, T]`` keep mask over ``view``'s entries as kvpress's ``ScorerPress.compress`` selects (``torch.topk``,
     nothing forced in), with each (row, head)'s own budget ``n_kept`` (``[B, H]``)."""
@@ -168,7 +195,7 @@ def scorer_hook(press: ScorerPress, module: nn.Module, kwargs: dict, output: lis
         scores = press.score_view(module, kwargs, view, output[1])
         evict_lowest(layer, view, scores, press.budget(module, view), press.shard_budget, press.offload)
     else:  # kvpress's own scorer: its scores and its top-k, on each row's own tokens
-        scores = press.score(module, kwargs["hidden_states"], view.keys, view.values, output[1], kwargs)
+        scores = kvpress_scores(press, module, kwargs, view, output[1])
         layer.keep(view, topk_keep(view, scores, row_budgets(view.count, press.compression_ratio)))
     return output
 
@@ -275,7 +302,7 @@ class PiKVScorerPress(PiKVPress, ScorerPress):
 
     def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
         """``[B, H, T]`` scores of a PiKVCache layer's view at prefill (default: kvpress's ``score`` of its keys)."""
-        return self.score(module, kwargs["hidden_states"], view.keys, view.values, attentions, kwargs)
+        return kvpress_scores(self, module, kwargs, view, attentions)
 
     def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
         """``[B, H, T]`` scores of ``view``'s entries from the cache's statistics (decode time; ``n_kept`` is the
