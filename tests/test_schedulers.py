@@ -341,6 +341,30 @@ def test_bad_arguments(build, message):
         build()
 
 
+@pytest.mark.parametrize("n_sink", [0, 2])
+def test_decode_budget_by_index_on_a_dynamic_cache_keeps_position_order(n_sink):
+    """DecodingBudgetPress over a press that scores by index, on a DynamicCache (kvpress's DecodingPress): each cut
+    keeps the pairs in position order, so the next cut's sinks / recent window are the right tokens and every step
+    equals the same press on a PiKVCache (kvpress gathered them in score order: the DynamicCache then kept stale
+    prompt tokens and evicted the newest, logits off by up to 0.26)."""
+    ref, model = model_pair("llama")
+    ids, tokens = prompt(16, seed=3), prompt(5, seed=4)
+    dynamic, cache = DynamicCache(), PiKVCache(model, page_size=16)
+    with torch.no_grad():
+        with DecodingBudgetPress(StreamingLLMPress(n_sink=n_sink), target_size=8)(ref):
+            ref(ids, past_key_values=dynamic)
+            at = [torch.tensor([[16 + i]]) for i in range(5)]  # a cut DynamicCache's length is no position
+            want = [
+                ref(tokens[:, i : i + 1], past_key_values=dynamic, position_ids=at[i], cache_position=at[i][0])
+                .logits[0, -1]
+                for i in range(5)
+            ]
+        with DecodingBudgetPress(StreamingLLMPress(n_sink=n_sink), target_size=8)(model):
+            model(ids, past_key_values=cache)
+            got = [model(tokens[:, i : i + 1], past_key_values=cache).logits[0, -1] for i in range(5)]
+    assert max((a - b).abs().max().item() for a, b in zip(want, got, strict=True)) < 1e-4
+
+
 @pytest.mark.parametrize("ratio", [1.0, -0.5])
 @pytest.mark.parametrize("build", [lambda: H2OPress(0.5), lambda: AdaKVPress(H2OPress(0.5)),
                                    lambda: PyramidPress(0.5, scorer=H2OPress(), slope=0.5)])  # fmt: skip

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from kvpress.presses.base_press import is_prefilling
 from kvpress.presses.scorer_press import ScorerPress
+from kvpress.utils import compute_n_kept
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
@@ -299,6 +300,18 @@ class PiKVScorerPress(PiKVPress, ScorerPress):
 
     def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
         scorer_hook(self, module, kwargs, output)
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        """A DynamicCache's prefill or decode-time cut (kvpress's ``ScorerPress.compress``: the ``compute_n_kept``
+        best-scored pairs of each head), the kept pairs left in position order: kvpress gathers them in score order,
+        and a press that scores by index (sinks, recent window, recency) reads index as position at its next cut
+        (``DecodingBudgetPress``; a PiKVCache keeps positions)."""
+        if self.compression_ratio == 0:
+            return keys, values
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = compute_n_kept(keys.shape[2], self.compression_ratio)
+        at = scores.topk(n_kept, dim=-1).indices.sort(-1).values.unsqueeze(-1)
+        return tuple(x.gather(2, at.expand(*at.shape[:3], x.shape[-1])).contiguous() for x in (keys, values))
 
     def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
         """``[B, H, T]`` scores of a PiKVCache layer's view at prefill (default: kvpress's ``score`` of its keys)."""
