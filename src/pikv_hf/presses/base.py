@@ -125,10 +125,10 @@ def kvpress_scores(
     if all(n >= q for n in counts) or view.keys.shape[2] != q:
         return scorer.score(module, hidden, view.keys, view.values, attentions, kwargs)
     scores = torch.full(view.valid.shape, float("-inf"), device=hidden.device)
+    rope = kwargs.get("position_embeddings")
     for b, n in enumerate(counts):
         if not n:
             continue
-        rope = kwargs.get("position_embeddings")
         row = {**kwargs, "hidden_states": hidden[b : b + 1, q - n :]}
         if rope is not None:
             row["position_embeddings"] = tuple((t[b : b + 1] if t.shape[0] > 1 else t)[:, q - n :] for t in rope)
