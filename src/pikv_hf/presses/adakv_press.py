@@ -27,11 +27,11 @@ def adaptive_keep(scores: torch.Tensor, view: DenseView, n_kept: torch.Tensor, a
     """``[B, H, T]`` keep mask over ``view``'s entries with ``sum_h n_kept[b, h]`` entries per row ``b`` (``n_kept``:
     ``[B, H]``, each head's share of its own tokens) spread over heads by score: each head first keeps its
     ``max(1, int(alpha * n_kept))`` best (the safeguard), the rest of the row's budget goes to the best remaining
-    entries of any head (AdaKV's allocation). Every head keeps its newest token."""
+    entries of any head (AdaKV's allocation). Nothing is forced in beyond what ``scores`` rank first, as kvpress's
+    AdaKVPress on a DynamicCache."""
     b, h, t = scores.shape
     present = view.valid
     ranked = scores.masked_fill(~present, float("-inf"))
-    ranked = ranked.scatter(2, view.pos.argmax(-1, keepdim=True), float("inf"))
     n_safe = torch.where(n_kept > 0, (n_kept.double() * alpha).floor().long().clamp(min=1), 0) if alpha > 0 else None
     if n_safe is not None:
         ranked = torch.where(descending_rank(ranked) < n_safe.unsqueeze(-1), float("inf"), ranked)

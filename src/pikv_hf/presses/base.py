@@ -90,20 +90,23 @@ def proportional_keep(
     return torch.zeros_like(valid).scatter_(2, by_score, keep_in_score_order) & valid
 
 
-def keep_newest(scores: torch.Tensor) -> torch.Tensor:
-    """``scores`` (``[B, H, T]`` over position-ordered keys) with the newest token ranked first: a press never
-    evicts the token being decoded (kvpress's top scores on a DynamicCache)."""
-    return scores.index_fill(-1, torch.tensor([scores.shape[-1] - 1], device=scores.device), float("inf"))
+def keep_newest(scores: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores`` (``[B, H, T]``) with each (row, head)'s newest token ranked first, so the press that scores this
+    way never evicts the token being decoded: the last key on a DynamicCache (position-ordered keys), the entry of
+    highest position ``pos`` (``[B, H, T]``) in a PiKVCache view."""
+    if pos is None:
+        return scores.index_fill(-1, torch.tensor([scores.shape[-1] - 1], device=scores.device), float("inf"))
+    return scores.scatter(2, pos.argmax(-1, keepdim=True), float("inf"))
 
 
 def keep_mask(
     view: DenseView, scores: torch.Tensor, n_kept: int | torch.Tensor, shard_budget: str = "global"
 ) -> torch.Tensor:
     """``[B, H, T]`` keep mask over ``view``'s entries: the ``n_kept`` (an int or ``[B, H]``) highest ``scores``
-    (``[B, H, T]``) of each (row, KV head); the newest token of every (row, head) is always kept."""
+    (``[B, H, T]``) of each (row, KV head). Nothing is forced in: a press that keeps the newest token says so in its
+    scores (:func:`keep_newest`), on a DynamicCache as here."""
     present = view.valid
     ranked = scores.masked_fill(~present, float("-inf"))
-    ranked = ranked.scatter(2, view.pos.argmax(-1, keepdim=True), float("inf"))  # the token being decoded
     budget = torch.as_tensor(n_kept, device=ranked.device).expand(ranked.shape[:2])
     if shard_budget == "global":
         return (descending_rank(ranked) < budget.unsqueeze(-1)) & present

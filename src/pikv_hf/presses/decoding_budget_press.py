@@ -82,4 +82,3 @@ class DecodingBudgetPress(PiKVPress, DecodingPress):
             view = layer.view_index()
             keep = self.base_press.decode_keep(layer, view, self.target_size)
             drop_or_offload(layer, view, keep, getattr(self.base_press, "offload", None))
-

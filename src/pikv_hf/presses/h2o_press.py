@@ -70,7 +70,7 @@ class H2OPress(PiKVScorerPress):
         layer = kwargs["past_key_values"].layers[module.layer_idx]
         layout = KeyLayout.of(layer, view)
         stats = attention_statistics(module, kwargs["hidden_states"], view.keys, kwargs, False, layout)
-        return self._with_recent(stats.mass, view.rel_pos, self.budget(module, view))
+        return keep_newest(self._with_recent(stats.mass, view.rel_pos, self.budget(module, view)), view.pos)
 
     def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
-        return self._with_recent(layer.slot_stat("attn_mass", view), view.rel_pos, n_kept)
+        return keep_newest(self._with_recent(layer.slot_stat("attn_mass", view), view.rel_pos, n_kept), view.pos)

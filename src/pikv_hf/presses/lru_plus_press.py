@@ -54,9 +54,10 @@ class LRUPlusPress(PiKVScorerPress):
 
     def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
         stats = view_statistics(module, kwargs, view)
-        return recency_frequency(relative(stats.last_hit, view), stats.hits, view.rel_pos, self.frequency_weight)
+        scores = recency_frequency(relative(stats.last_hit, view), stats.hits, view.rel_pos, self.frequency_weight)
+        return keep_newest(scores, view.pos)
 
     def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
         last = relative(layer.slot_stat("last_access", view).long(), view)
         hits = layer.slot_stat("hits", view).long().masked_fill(~view.valid, 0)
-        return recency_frequency(last, hits, view.rel_pos, self.frequency_weight)
+        return keep_newest(recency_frequency(last, hits, view.rel_pos, self.frequency_weight), view.pos)

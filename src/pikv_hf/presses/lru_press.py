@@ -54,7 +54,7 @@ class LRUPress(PiKVScorerPress):
 
     def score_view(self, module: nn.Module, kwargs: dict, view: DenseView, attentions) -> torch.Tensor:
         stats = view_statistics(module, kwargs, view)
-        return recency(relative(stats.last_hit, view), view.rel_pos)
+        return keep_newest(recency(relative(stats.last_hit, view), view.rel_pos), view.pos)
 
     def decode_scores(self, layer: PiKVLayer, view: DenseView, n_kept: int) -> torch.Tensor:
-        return recency(relative(layer.slot_stat("last_access", view).long(), view), view.rel_pos)
+        return keep_newest(recency(relative(layer.slot_stat("last_access", view).long(), view), view.rel_pos), view.pos)
