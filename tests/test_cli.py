@@ -31,6 +31,9 @@ def test_demo_rejects_unknown_arch(capsys):
         (["--context", "100"], "context must be an integer >= 512, got 100"),
         (["--sample", "-1"], "sample must be an integer >= 0, got -1"),
         (["--tiny", "--new-tokens", "1"], "new_tokens must be an integer >= 2, got 1"),
+        (["--tiny", "--prompt-len", "4090", "--new-tokens", "8"],
+         "prompt_len + new_tokens must be at most 4096 (the tiny model's positions), got 4090 + 8"),
+        (["--tiny", "--moe"], "--moe: an option of the real-model demo (SmolLM2 upcycled); --tiny takes --arch"),
     ],
 )
 def test_demo_bad_values_are_one_error_line(capsys, args, message):
@@ -38,6 +41,22 @@ def test_demo_bad_values_are_one_error_line(capsys, args, message):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"pikv-hf demo: error: {message}\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--mass-target", "2"], "mass_target must be None or a number in (0, 1], got 2.0"),
+        (["--selector", "nosuch"],
+         "selector must be one of topk, topk_balanced, cache_aware, eplb, adaptive, hierarchical; got 'nosuch'"),
+    ],
+)  # fmt: skip
+def test_eval_read_options_are_checked_without_a_sparse_press(tmp_path, capsys, args, message):
+    """The read options are refused when out of range even if no evaluated press reads them (they once ran the
+    whole evaluation and were ignored)."""
+    assert main(["eval", "--suite", "ruler", "--out", str(tmp_path / "run"), *args]) == 2
+    assert capsys.readouterr().err == f"pikv-hf eval: error: {message}\n"
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_subprocess_prints_no_traceback(tmp_path):

@@ -131,6 +131,14 @@ class ReadConfig:
         most = num_layers if num_layers is not None else "the number of layers"
         if not isinstance(self.dense_layers, int) or not 0 <= self.dense_layers <= (num_layers or self.dense_layers):
             raise ValueError(f"dense_layers must be an integer in [0, {most}], got {self.dense_layers!r}")
+        try:  # the routed options are checked in every mode: a bad value is refused even where it is not read
+            make_selector(self.selector, **self.selector_kwargs)
+        except TypeError as err:
+            kwargs = self.selector_kwargs
+            raise ValueError(f"selector_kwargs {kwargs} do not fit selector {self.selector!r}: {err}") from None
+        target = self.mass_target
+        if target is not None and not (_is_number(target) and 0 < target <= 1):
+            raise ValueError(f"mass_target must be None or a number in (0, 1], got {target!r}")
         if self.attention == "exact":
             return self
         if self.attention == "routed":
@@ -139,15 +147,6 @@ class ReadConfig:
                 raise ValueError(
                     f"top_k_shards must be an integer in [1, num_shards={limit}] for attention='routed', got {top_k!r}"
                 )
-            try:
-                make_selector(self.selector, **self.selector_kwargs)
-            except TypeError as err:
-                raise ValueError(
-                    f"selector_kwargs {self.selector_kwargs} do not fit selector {self.selector!r}: {err}"
-                ) from None
-            target = self.mass_target
-            if target is not None and not (_is_number(target) and 0 < target <= 1):
-                raise ValueError(f"mass_target must be None or a number in (0, 1], got {target!r}")
             return dataclasses.replace(self, read_fraction=None, mass_target=None if target is None else float(target))
         if self.mass_target is not None:
             raise ValueError("mass_target applies to attention='routed' (shard selection) only; got attention='quest'")

@@ -149,6 +149,8 @@ def check_demo_args(args: argparse.Namespace) -> None:
     """Raise :class:`pikv_hf.checks.CommandLineError` naming the first bad option, before any model is loaded; with
     ``--tiny``, fill in the tiny model's options that were not given (:data:`TINY_DEFAULTS`)."""
     given = [name for name in TINY_DEFAULTS if getattr(args, name) is not None]
+    if args.tiny and args.moe:
+        raise CommandLineError("--moe: an option of the real-model demo (SmolLM2 upcycled); --tiny takes --arch")
     if given and not args.tiny:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
         raise CommandLineError(
@@ -166,6 +168,13 @@ def check_demo_args(args: argparse.Namespace) -> None:
         if args.tiny:
             check_int_at_least("prompt_len", args.prompt_len, 2)
             check_int_at_least("new_tokens", args.new_tokens, 2)
+            from pikv_hf.tiny import MAX_POSITIONS as most
+
+            if args.prompt_len + args.new_tokens > most:
+                raise ValueError(
+                    f"prompt_len + new_tokens must be at most {most} (the tiny model's positions), got "
+                    f"{args.prompt_len} + {args.new_tokens}"
+                )
     except ValueError as err:
         raise CommandLineError(str(err)) from err
 

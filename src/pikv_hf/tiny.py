@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+MAX_POSITIONS = 4096  # positions of every tiny config
+
 _COMMON = dict(
     vocab_size=256,
     hidden_size=64,
@@ -12,7 +14,7 @@ _COMMON = dict(
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=2,
-    max_position_embeddings=4096,
+    max_position_embeddings=MAX_POSITIONS,
     tie_word_embeddings=False,
 )
 _MOE = dict(num_experts_per_tok=2)
