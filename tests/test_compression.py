@@ -380,6 +380,7 @@ def test_bad_input_raises_clear_errors_and_leaves_the_cache_unchanged(model, fit
     for make, message in (
         (lambda: QuantPress(bits=3), "bits must be one of"),
         (lambda: QuantPress(group_size=0), "group_size must be a positive integer"),
+        (lambda: QuantPress(bits=2, group_size=2), "group_size must be a multiple of 4 at bits=2"),  # a crash at decode
         (lambda: SVDPress(rank=0), r"rank must be an integer in \[1, head_dim\]"),
         (lambda: ChunkPCAPress(rank=-2), "rank must be"),
         (lambda: FastVCropPress(channels=0), "channels must be"),
@@ -395,7 +396,7 @@ def test_bad_input_raises_clear_errors_and_leaves_the_cache_unchanged(model, fit
     other = tiny_model("llama", seed=5)  # same shapes, other weights
     for press, message in (
         (SVDPress(rank=D + 1, path=fitted[1]["svd"]), rf"rank must be an integer in \[1, head_dim = {D}\]"),
-        (QuantPress(bits=4, group_size=5), f"group_size must divide head_dim = {D}"),
+        (QuantPress(bits=4, group_size=6), f"group_size must divide head_dim = {D}"),
         (FastVCropPress(channels=D + 1), "channels must be"),
         (SVDPress(rank=4, path=str(tmp_path / "missing.safetensors")), "no fitted svd projection"),
         (LoRAPress(rank=4, path=fitted[1]["lora"]), "rank: .* holds rank 8, asked for 4"),
@@ -409,7 +410,7 @@ def test_bad_input_raises_clear_errors_and_leaves_the_cache_unchanged(model, fit
     with pytest.raises(RuntimeError, match="loaded when the press is applied"):
         SVDPress(rank=4, path=fitted[1]["svd"], window=0).compress_layer(cache.layers[0], prefilling=True)
     with pytest.raises(ValueError, match="group_size must divide head_dim = 16"):  # a hook run before any check
-        QuantPress(bits=4, group_size=5, window=0).compress_layer(cache.layers[0], prefilling=True)
+        QuantPress(bits=4, group_size=6, window=0).compress_layer(cache.layers[0], prefilling=True)
     split = PiKVCache(model, page_size=4, partition=ShardPlan.for_devices(8, ["cpu", "cpu"]))
     _prefill(model, split, _ids(40))
     with pytest.raises(RuntimeError, match="compressed tiers are not supported there"):
@@ -439,3 +440,24 @@ def test_kvpress_pipeline_runs_a_compressor_on_both_caches():
             assert int(cache.layers[0].tokens_per_shard().sum()) == 2 * context
             cache.detach()
     assert answers["dynamic"]["answer"] == answers["pikv"]["answer"]
+
+
+def test_multi_head_latent_attention_checks_the_dims_it_stores():
+    """DeepSeek's latent attention stores 24 key and 16 value channels per head where its config's ``head_dim`` is
+    the 8 rotary ones: the presses check their groups, channels and ranks against the stored dims (QuantPress with
+    groups of 16 was refused as not dividing 8, a FastV crop of 12 channels as beyond 8), and compress."""
+    model = tiny_model("deepseek_v2", seed=0)
+    ids = _ids(40)
+    for press in (QuantPress(bits=4, group_size=16, window=8), FastVCropPress(channels=12, window=8)):
+        cache = PiKVCache(model, page_size=4)
+        _prefill(model, cache, ids, press)
+        assert cache.layers[0].tiers[TIER].tokens_per_shard().sum() == 4 * 32  # 4 KV heads x the 32 oldest tokens
+    for press, message in (
+        (QuantPress(bits=4, group_size=24), "group_size must divide head_dim = 16"),
+        (FastVCropPress(channels=17), r"channels must be an integer in \[1, head_dim = 16\]"),
+        (ChunkPCAPress(rank=20), r"rank must be an integer in \[1, head_dim = 16\]"),
+    ):
+        cache = PiKVCache(model, page_size=4)
+        with pytest.raises(ValueError, match=message):
+            _prefill(model, cache, ids, press)
+        assert cache.get_seq_length() == 0

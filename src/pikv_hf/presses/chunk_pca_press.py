@@ -9,7 +9,7 @@ from torch import nn
 
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.codecs.chunk_pca import ChunkPCACodec
-from pikv_hf.presses.compress_base import CompressorPress, head_dim_of
+from pikv_hf.presses.compress_base import CompressorPress, kv_head_dims
 from pikv_hf.presses.projection_base import check_rank
 
 
@@ -44,7 +44,7 @@ class ChunkPCAPress(CompressorPress):
         return self.chunk_size
 
     def setup(self, model: nn.Module) -> None:
-        check_rank(self.rank, head_dim_of(model))
+        check_rank(self.rank, min(kv_head_dims(model)))
 
     def build_codec(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> ChunkPCACodec:
         check_rank(self.rank, min(keys.shape[-1], values.shape[-1]))

@@ -40,9 +40,15 @@ from pikv_hf.view import dense_view
 TIER = "compressed"
 
 
-def head_dim_of(model: nn.Module) -> int:
+def kv_head_dims(model: nn.Module) -> tuple[int, int]:
+    """``(Dk, Dv)``: the channels of the keys and of the values ``model`` stores per KV head. Multi-head latent
+    attention (DeepSeek-V2/V3) stores ``qk_nope_head_dim + qk_rope_head_dim`` key and ``v_head_dim`` value channels
+    (its ``head_dim`` is the rotary part only); other models ``head_dim`` for both."""
     cfg = model.config.get_text_config()
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if getattr(cfg, "qk_rope_head_dim", None) and getattr(cfg, "v_head_dim", None):
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return d, d
 
 
 def roundtrip(codec: Codec, keys: torch.Tensor, values: torch.Tensor, page_size: int) -> tuple[torch.Tensor, ...]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pikv_hf.codecs.projection import AffineMap, ProjectionCodec
-from pikv_hf.presses.compress_base import CompressorPress, head_dim_of
+from pikv_hf.presses.compress_base import CompressorPress, kv_head_dims
 
 
 def check_channels(channels: int, head_dim: int | None = None) -> None:
@@ -37,7 +37,7 @@ class FastVCropPress(CompressorPress):
         check_channels(self.channels)
 
     def setup(self, model: nn.Module) -> None:
-        check_channels(self.channels, head_dim_of(model))
+        check_channels(self.channels, min(kv_head_dims(model)))
 
     def build_codec(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> ProjectionCodec:
         maps = []

@@ -10,7 +10,7 @@ from torch import nn
 
 from pikv_hf.codecs import fit
 from pikv_hf.codecs.projection import AffineMap, ProjectionCodec
-from pikv_hf.presses.compress_base import CompressorPress, head_dim_of
+from pikv_hf.presses.compress_base import CompressorPress, kv_head_dims
 
 
 def check_rank(rank: int, head_dim: int | None = None) -> None:
@@ -48,7 +48,7 @@ class FittedProjectionPress(CompressorPress):
         check_rank(self.rank)
 
     def setup(self, model: nn.Module) -> None:
-        check_rank(self.rank, head_dim_of(model))
+        check_rank(self.rank, min(kv_head_dims(model)))
         path = self.path or fit.default_path(model, self.method, self.rank)
         self._maps = fit.load(path, model, self.method, self.rank)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.codecs.quant import QuantCodec, check_quant_args
-from pikv_hf.presses.compress_base import CompressorPress, head_dim_of
+from pikv_hf.presses.compress_base import CompressorPress, kv_head_dims
 
 
 @dataclass
@@ -49,7 +49,7 @@ class QuantPress(CompressorPress):
         return self.key_group_size or self.group_size
 
     def setup(self, model: nn.Module) -> None:
-        check_quant_args(self.bits, self.group_size, head_dim_of(model))
+        check_quant_args(self.bits, self.group_size, kv_head_dims(model)[1])
 
     def build_codec(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> QuantCodec:
         check_quant_args(self.bits, self.group_size, values.shape[-1])
