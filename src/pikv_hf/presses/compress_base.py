@@ -223,7 +223,7 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
 
     def compress_layer(self, layer: PiKVLayer, prefilling: bool) -> None:
         """PiKVCache: move the hot store's tokens older than the window into the compressed tier (at prefill, or once
-        a page of them has gathered)."""
+        a page of them has gathered in a row: each row of a batch moves when it would alone)."""
         if layer.store is None:
             return
         if not layer.has_view:
@@ -233,8 +233,9 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
             )
         view = layer.view_index()
         old = view.valid & (view.pos < layer.seen - self.window) & (view.rel_pos >= self.n_sink)
-        n = int(old.sum(-1).max()) if old.numel() else 0
-        if n == 0 or (not prefilling and n < self.page_size):
+        if not prefilling:  # rows with less than a page pending keep their old tokens for a later step
+            old &= (old.sum(-1).amax(-1) >= self.page_size).view(-1, 1, 1)
+        if not old.any():
             return
         codec = None
         if TIER not in layer.tiers:  # built from the first tokens it will hold (zeros elsewhere)
