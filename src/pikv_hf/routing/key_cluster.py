@@ -57,11 +57,13 @@ class KeyClusterPlacement(Placement):
         """``[B, H, q]`` nearest initialised centroid (``ready``: ``[B, 1, 1, S]``) of every key in squared L2
         distance, as the largest ``k . c - |c|^2 / 2`` (one matmul, no square root), ``chunk`` keys at a time (bounds
         the ``[B, H, q, S]`` score matrix of a long prefill)."""
-        half_norm = (centroids.square().sum(-1) / 2).unsqueeze(2).masked_fill(~ready, float("inf"))  # [B, H, 1, S]
+        b, h, q, d = keys.shape
+        neg_half = (centroids.square().sum(-1) / -2).unsqueeze(2).masked_fill(~ready, float("-inf"))  # [B, H, 1, S]
+        neg_half, centroids_t = neg_half.flatten(0, 1), centroids.flatten(0, 1).transpose(-1, -2)
         parts = []
-        for i in range(0, keys.shape[2], chunk):
-            score = torch.matmul(keys[:, :, i : i + chunk], centroids.transpose(-1, -2)).sub_(half_norm)
-            parts.append(score.argmax(-1))
+        for i in range(0, q, chunk):  # score = k . c - |c|^2 / 2 in one operator
+            score = torch.baddbmm(neg_half, keys[:, :, i : i + chunk].flatten(0, 1), centroids_t)
+            parts.append(score.argmax(-1).view(b, h, -1))
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     def _init_state(self, b: int, h: int, d: int, device: torch.device) -> None:
@@ -111,6 +113,8 @@ class KeyClusterPlacement(Placement):
         weight = present.to(keys.dtype).view(b, 1, q, 1)  # padding joins no centroid
         prior_n = self.counts.unsqueeze(-1).to(keys.dtype)  # [B,H,S,1]: earlier chunks' tokens stay put
         prior_sum = self.centroids * prior_n
+        weighted = (keys * weight).reshape(b * h * q, d)
+        offset = (torch.arange(b * h, device=keys.device) * self.num_shards).view(b, h, 1)  # (row, head)'s shards
         centroids, shard = self.centroids, None
         for _ in range(self.iters if q > 1 else 1):
             new = self._nearest(keys, centroids, ready)
@@ -119,7 +123,8 @@ class KeyClusterPlacement(Placement):
             shard = new
             n = torch.zeros(b, h, self.num_shards, 1, dtype=keys.dtype, device=keys.device)
             n.scatter_add_(2, shard.unsqueeze(-1), weight.expand(b, h, q, 1))  # real tokens per shard
-            sums = torch.zeros_like(prior_sum).scatter_add_(2, shard.unsqueeze(-1).expand_as(keys), keys * weight)
+            sums = prior_sum.new_zeros(b * h * self.num_shards, d).index_add_(0, (shard + offset).view(-1), weighted)
+            sums = sums.view_as(prior_sum)
             total = prior_n + n
             mean = (prior_sum + sums) / total.clamp(min=1)
             centroids = torch.where(total > 0, mean, self.centroids)  # a seed nothing joined keeps its key
