@@ -15,6 +15,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from pikv_hf import PiKVCache
 from pikv_hf.presses import (
     AdaKVPress,
+    ChannelPrunePress,
     DecodingBudgetPress,
     DuoAttentionPress,
     FlexGenPress,
@@ -22,6 +23,7 @@ from pikv_hf.presses import (
     LRUPlusPress,
     LRUPress,
     PyramidPress,
+    QuantPress,
     QuestPress,
     StreamingLLMPress,
     calibrate_heads,
@@ -399,6 +401,35 @@ def test_a_ratio_set_after_construction_is_checked_before_the_cache_changes(buil
     assert cache.get_seq_length() == 0
     with pytest.raises(ValueError, match="compression_ratio must be a number in \\[0, 1\\)"):
         pyramid_budgets(37, 3, ratio, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("build", "field", "value", "message"),
+    [
+        (lambda: H2OPress(0.5), "recent_ratio", 2, "recent_ratio must be a number in \\[0, 1\\]"),
+        (lambda: LRUPlusPress(0.5), "frequency_weight", -1, "frequency_weight must be a number in \\[0, 1\\]"),
+        (lambda: StreamingLLMPress(0.5), "n_sink", -1, "n_sink must be an integer >= 0"),
+        (lambda: PyramidPress(0.5), "slope", 2, "slope must be a number in \\[0, 1\\]"),
+        (lambda: FlexGenPress(0.5), "offload", "tape", "offload must be None or one of cpu, disk"),
+        (lambda: DecodingBudgetPress(H2OPress(), target_size=8), "target_size", 0, "target_size must be an integer"),
+        (lambda: DuoAttentionPress(0.5, heads=[[0.1, 0.2]] * 3), "n_sink", -2, "n_sink must be an integer >= 0"),
+        (lambda: QuestPress(0.5), "page_size", 0, "page_size must be an integer >= 1"),
+        (lambda: QuantPress(bits=4, group_size=16), "window", -1, "window must be an integer >= 0"),
+        (lambda: QuantPress(bits=4, group_size=16), "bits", 3, "bits must be one of"),
+        (lambda: ChannelPrunePress(channel_ratio=0.5), "channel_ratio", 1.0, "channel_ratio must be a number in"),
+        (lambda: H2OPress(0.5), "shard_budget", "even", "shard_budget must be one of global, proportional"),
+    ],
+)  # fmt: skip
+def test_a_field_set_after_construction_is_checked_before_the_cache_changes(build, field, value, message):
+    """Every field is checked again on entering the press, before any forward stores anything (a QuantPress window
+    set to -1 compressed the newest token; a channel_ratio of 1.0 failed inside a forward with a reshape error)."""
+    model = tiny_model("llama", seed=0)
+    cache, press = PiKVCache(model), build()
+    setattr(press, field, value)
+    with pytest.raises(ValueError, match=message):
+        with press(model):
+            model(prompt(12), past_key_values=cache)
+    assert cache.get_seq_length() == 0
 
 
 def test_unsupported_model_is_refused_before_the_cache_changes():

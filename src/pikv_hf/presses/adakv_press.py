@@ -8,7 +8,6 @@ import kvpress
 import torch
 from torch import nn
 
-from pikv_hf.checks import check_field_types
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import (
     PiKVPress,
@@ -66,8 +65,11 @@ class AdaKVPress(PiKVPress, kvpress.AdaKVPress):
     budget_per_row = True  # decode-time budgets count a row's tokens over all its heads
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        super().__post_init__()
+        self.validate()
+
+    def validate(self) -> None:
+        super().validate()
+        kvpress.AdaKVPress.__post_init__(self)  # kvpress's checks of press and alpha_safeguard
         check_offload(self.offload)
 
     @property

@@ -235,11 +235,18 @@ class PiKVPress:
     def check_cache(self) -> None:
         """Raise if this press cannot act on a PiKVCache (called before a layer's attention)."""
 
-    @contextmanager
-    def __call__(self, model: nn.Module):
-        ratio = getattr(self, "compression_ratio", None)  # set again since construction (kvpress's evaluation loops)
+    def validate(self) -> None:
+        """Check the press's fields (``TypeError`` / ``ValueError`` naming the field): at construction and again on
+        entering the press, since a field may be set after construction (kvpress's evaluation loops set
+        ``compression_ratio``), before any forward stores anything. Subclasses add their own fields' checks."""
+        check_field_types(self)
+        ratio = getattr(self, "compression_ratio", None)
         if ratio is not None:
             check_ratio("compression_ratio", ratio)
+
+    @contextmanager
+    def __call__(self, model: nn.Module):
+        self.validate()
         hooks = []
         if self.stats_needed() or type(self).check_cache is not PiKVPress.check_cache:
             for layer in decoder_layers(model):
@@ -285,8 +292,10 @@ class PiKVScorerPress(PiKVPress, ScorerPress):
     offload: str | None = None
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        check_ratio("compression_ratio", self.compression_ratio)
+        self.validate()
+
+    def validate(self) -> None:
+        super().validate()
         check_shard_budget(self.shard_budget)
         check_offload(self.offload)
 

@@ -31,7 +31,7 @@ from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
 from torch import nn
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import check_field_types, check_int_at_least
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.codecs.base import Codec, PageBatch
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVPress
@@ -145,10 +145,7 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
     compression_ratio: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        check_int_at_least("window", self.window, 0)
-        check_int_at_least("n_sink", self.n_sink, 0)
-        self.check()
+        self.validate()
         self._codecs: dict[int, Codec] = {}  # DynamicCache simulation: per layer, since its prefill
         self._simulated: dict[int, int] = {}  # DynamicCache simulation: tokens reconstructed per layer
 
@@ -161,6 +158,12 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
 
     def check(self) -> None:
         """Validate the press's own fields (``ValueError`` naming the parameter)."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_int_at_least("window", self.window, 0)
+        check_int_at_least("n_sink", self.n_sink, 0)
+        self.check()
 
     def setup(self, model: nn.Module) -> None:
         """Checks against the model and loading of fitted artefacts (``post_init_from_model``)."""

@@ -8,7 +8,7 @@ from kvpress.presses.base_press import is_prefilling
 from kvpress.presses.decoding_press import DecodingPress
 from torch import nn
 
-from pikv_hf.checks import check_field_types, check_int_at_least
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.adakv_press import AdaKVPress
 from pikv_hf.presses.base import PiKVPress, PiKVScorerPress, drop_or_offload
@@ -45,10 +45,13 @@ class DecodingBudgetPress(PiKVPress, DecodingPress):
     target_size: int = 1024
 
     def __post_init__(self) -> None:
-        check_field_types(self)
+        self.validate()
+        super().__post_init__()
+
+    def validate(self) -> None:
+        super().validate()
         check_int_at_least("target_size", self.target_size, 1)
         check_int_at_least("compression_interval", self.compression_interval, 1)
-        super().__post_init__()
         n_sink = getattr(self.base_press, "n_sink", 0)
         if self.target_size <= n_sink:
             raise ValueError(

@@ -12,7 +12,7 @@ from kvpress.presses.base_press import BasePress
 from kvpress.utils import compute_n_kept
 from torch import nn
 
-from pikv_hf.checks import check_field_types, check_int_at_least, check_ratio
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVPress, check_offload, drop_or_offload, prefill_layer
 from pikv_hf.presses.queries import model_queries
@@ -140,11 +140,13 @@ class DuoAttentionPress(PiKVPress, BasePress):
     offload: str | None = None
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        check_ratio("compression_ratio", self.compression_ratio)
+        self.validate()
+        self._scores = self.heads if isinstance(self.heads, list) and self.heads else None
+
+    def validate(self) -> None:
+        super().validate()
         check_int_at_least("n_sink", self.n_sink, 0)
         check_offload(self.offload)
-        self._scores = self.heads if isinstance(self.heads, list) and self.heads else None
 
     def post_init_from_model(self, model: nn.Module) -> None:
         if self._scores is None:

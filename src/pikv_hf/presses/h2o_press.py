@@ -51,8 +51,8 @@ class H2OPress(PiKVScorerPress):
 
     recent_ratio: float = 0.5
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be a number in [0, 1], got {self.recent_ratio!r}")
 

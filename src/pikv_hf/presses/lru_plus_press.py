@@ -42,8 +42,8 @@ class LRUPlusPress(PiKVScorerPress):
 
     frequency_weight: float = 0.5
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if not 0 <= self.frequency_weight <= 1:
             raise ValueError(f"frequency_weight must be a number in [0, 1], got {self.frequency_weight!r}")
 

@@ -61,8 +61,8 @@ class PyramidPress(PiKVScorerPress):
     scorer: ScorerPress = field(default_factory=SnapKVPress)
     slope: float = 0.5
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         if not 0 <= self.slope <= 1:
             raise ValueError(f"slope must be a number in [0, 1], got {self.slope!r}")
 

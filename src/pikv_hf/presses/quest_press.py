@@ -92,11 +92,7 @@ class QuestPress(DecodingPress):
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        check_ratio("compression_ratio", self.compression_ratio)
-        check_int_at_least("page_size", self.page_size, 1)
-        check_int_at_least("n_sink", self.n_sink, 0)
-        check_int_at_least("window", self.window, 1)
+        self.validate()
         self._real_keys: dict[int, torch.Tensor] = {}
         self._warned = False
 
@@ -164,8 +160,17 @@ class QuestPress(DecodingPress):
         self._real_keys[module.layer_idx] = keys
         layer.keys = torch.where(read.unsqueeze(-1), keys, fake)
 
+    def validate(self) -> None:
+        """Check the fields (at construction and again on entering: they may be set after construction)."""
+        check_field_types(self)
+        check_ratio("compression_ratio", self.compression_ratio)
+        check_int_at_least("page_size", self.page_size, 1)
+        check_int_at_least("n_sink", self.n_sink, 0)
+        check_int_at_least("window", self.window, 1)
+
     @contextmanager
     def __call__(self, model: nn.Module):
+        self.validate()
         self._warned = False
         handles = [
             layer.self_attn.register_forward_pre_hook(self._select, with_kwargs=True) for layer in decoder_layers(model)

@@ -37,8 +37,8 @@ class StreamingLLMPress(PiKVScorerPress):
 
     n_sink: int = 4
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         check_int_at_least("n_sink", self.n_sink, 0)
 
     def score(self, module: nn.Module, hidden_states, keys, values, attentions, kwargs) -> torch.Tensor:
