@@ -432,6 +432,28 @@ def test_a_field_set_after_construction_is_checked_before_the_cache_changes(buil
     assert cache.get_seq_length() == 0
 
 
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda n: FlexGenPress(0.5), "FlexGenPress removes keys, which the sliding-window layers of this Dynamic"),
+        (lambda n: DecodingBudgetPress(H2OPress(), target_size=8), "DecodingBudgetPress removes keys"),
+        (lambda n: DuoAttentionPress(0.5, heads=[[0.1, 0.9]] * n), "DuoAttentionPress masks the dropped keys on a "
+         "DynamicCache through kvpress's attention patch, which attn_implementation='eager' does not go through"),
+        (lambda n: PyramidPress(0.5, scorer=kvpress.KnormPress()), "PyramidPress masks the dropped keys"),
+        (lambda n: AdaKVPress(kvpress.KnormPress(0.5)), "AdaKVPress masks the dropped keys"),
+    ],
+)  # fmt: skip
+def test_presses_a_dynamic_cache_cannot_take_are_refused_before_it_changes(build, message):
+    """GPT-OSS (eager attention, sliding-window layers in a DynamicCache built from its config): a press that removes
+    keys failed inside the forward with a mask size mismatch, and one that masks them through kvpress's attention
+    patch (which eager attention does not take) silently kept every key; both are refused before layer 0 stores."""
+    model = tiny_model("gpt_oss", seed=0)
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(ValueError, match=message), build(model.config.num_hidden_layers)(model):
+        model(prompt(40), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+
+
 def test_unsupported_model_is_refused_before_the_cache_changes():
     model = tiny_model("deepseek_v3", seed=0)
     cache = PiKVCache(model)

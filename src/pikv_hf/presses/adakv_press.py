@@ -62,6 +62,7 @@ class AdaKVPress(PiKVPress, kvpress.AdaKVPress):
     """
 
     offload: str | None = None
+    masks_keys = True
     budget_per_row = True  # decode-time budgets count a row's tokens over all its heads
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ from kvpress.presses.base_press import is_prefilling
 from kvpress.presses.scorer_press import ScorerPress
 from kvpress.utils import compute_n_kept
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pikv_hf.cache import PiKVCache
 from pikv_hf.checks import calling_press, check_field_types, check_ratio
@@ -215,6 +216,9 @@ class PiKVPress:
 
     replays_prefill = True  # the PiKV branch reads only the hook's arguments: a recorded prefill can be replayed
     decode_stats: tuple[str, ...] = ()
+    # on another cache: the press removes keys (kvpress's compress), or masks them through kvpress's attention patch
+    shortens_keys = False
+    masks_keys = False
 
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs["past_key_values"]
@@ -244,11 +248,31 @@ class PiKVPress:
         if ratio is not None:
             check_ratio("compression_ratio", ratio)
 
+    def check_other_cache(self, module: nn.Module, cache) -> None:
+        """Raise if this press cannot act on ``cache`` (any cache but a PiKVCache), before a layer's attention: a
+        press that removes keys cannot cut a sliding-window layer (a DynamicCache built from GPT-OSS's config: its
+        attention mask keeps the window's length, and the forward failed with a size mismatch), and one that masks
+        them goes through kvpress's attention patch, which eager attention does not take (it silently kept them)."""
+        name, kind = type(self).__name__, type(cache).__name__
+        if self.shortens_keys and any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+            raise ValueError(
+                f"{name} removes keys, which the sliding-window layers of this {kind} cannot take: use a PiKVCache "
+                "(it evicts per row and head, sliding-window layers included)"
+            )
+        impl = module.config._attn_implementation
+        if self.masks_keys and impl not in ALL_ATTENTION_FUNCTIONS:
+            raise ValueError(
+                f"{name} masks the dropped keys on a {kind} through kvpress's attention patch, which "
+                f"attn_implementation={impl!r} does not go through: load the model with attn_implementation='sdpa', "
+                "or use a PiKVCache (which evicts them)"
+            )
+
     @contextmanager
     def __call__(self, model: nn.Module):
         self.validate()
         hooks = []
-        if self.stats_needed() or type(self).check_cache is not PiKVPress.check_cache:
+        checks = self.shortens_keys or self.masks_keys or type(self).check_cache is not PiKVPress.check_cache
+        if checks or self.stats_needed():
             for layer in decoder_layers(model):
                 hooks.append(layer.self_attn.register_forward_pre_hook(self._before_attention, with_kwargs=True))
         try:
@@ -264,6 +288,8 @@ class PiKVPress:
             self.check_cache()
             if self.stats_needed():
                 cache.layers[module.layer_idx].enable_stats()
+        elif cache is not None:
+            self.check_other_cache(module, cache)
 
 
 @dataclass
@@ -290,6 +316,7 @@ class PiKVScorerPress(PiKVPress, ScorerPress):
     compression_ratio: float = 0.0
     shard_budget: str = "global"
     offload: str | None = None
+    shortens_keys = True
 
     def __post_init__(self) -> None:
         self.validate()

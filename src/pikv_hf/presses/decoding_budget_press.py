@@ -43,6 +43,7 @@ class DecodingBudgetPress(PiKVPress, DecodingPress):
 
     compression_interval: int = 1
     target_size: int = 1024
+    shortens_keys = True
 
     def __post_init__(self) -> None:
         self.validate()

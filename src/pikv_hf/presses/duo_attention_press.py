@@ -138,6 +138,7 @@ class DuoAttentionPress(PiKVPress, BasePress):
     heads: str | Path | dict | list = field(default_factory=list)
     n_sink: int = 4
     offload: str | None = None
+    masks_keys = True
 
     def __post_init__(self) -> None:
         self.validate()

@@ -60,6 +60,8 @@ class PyramidPress(PiKVScorerPress):
 
     scorer: ScorerPress = field(default_factory=SnapKVPress)
     slope: float = 0.5
+    shortens_keys = False
+    masks_keys = True
 
     def validate(self) -> None:
         super().validate()
