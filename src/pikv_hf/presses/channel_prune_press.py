@@ -15,7 +15,9 @@ from pikv_hf.presses.compress_base import CompressorPress
 @dataclass
 class ChannelPrunePress(CompressorPress):
     """Prune, per layer and KV head, the ``int(channel_ratio * Dk)`` key channels of smallest L2 norm over the first
-    tokens the layer compresses (its prefill); the tokens older than ``window`` keep only the other channels.
+    tokens the layer compresses (its prefill); the tokens older than ``window`` keep only the other channels. The
+    norms sum over the batch's rows: the rows of a batch share one choice of channels per (layer, head), so a row's
+    result depends on the rows it is batched with (a press per row would need a map per row and head).
 
     The query side: a pruned channel decodes to zero, so ``q . k^`` sums over the kept channels only, exactly as if
     the query's pruned channels were dropped as well; attention stays consistent with no change to the queries (and
