@@ -55,11 +55,11 @@ def test_tier_bytes_crop_and_batch_ops_follow_the_tokens():
     assert torch.equal(view.keys, keys) and torch.equal(view.values, values)
     assert cache.kv_nbytes() == layer.store.kv_nbytes() + tier.kv_nbytes() > 0  # a tier on the same device
     assert layer.offloaded_nbytes() == 0
-    cache.crop(20)  # positions 30 .. 59 sat in the tier, 0 .. 29 and 60 in the hot store: 20 .. 60 go
-    assert int(tier.tokens_per_shard().sum()) == 0 and int(layer.store.tokens_per_shard().sum()) == B * H * 20
+    cache.crop(40)  # positions 30 .. 59 sat in the tier, 0 .. 29 and 60 in the hot store: 40 .. 60 go
+    assert int(tier.tokens_per_shard().sum()) == B * H * 10 and int(layer.store.tokens_per_shard().sum()) == B * H * 30
     cache.batch_select_indices(torch.tensor([1]))
     assert tier.batch == layer.store.batch == 1
-    assert torch.equal(layer.keys, keys[1:, :, :20])
+    assert torch.equal(layer.keys, keys[1:, :, :40])
     with pytest.raises(ValueError, match="holds tokens in tiers"):  # a selection of a view that spans tiers
         layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
         layer.keys  # noqa: B018 (the assignment is applied at the next access)
@@ -130,3 +130,75 @@ def test_the_hot_store_keeps_the_shard_statistics_of_every_store_once(selector):
         if not cropped:
             assert torch.equal(summary.key_min.double()[filled], low[filled])
 
+
+
+def _tiered(press, page_size: int = 16, **read):
+    from pikv_hf.tiny import tiny_model
+
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ids = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    cache = PiKVCache(model, num_shards=2, page_size=page_size, **read)
+    with torch.no_grad(), press(model):
+        model(ids, past_key_values=cache)
+    return model, ref, ids, cache
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("which", ["quant", "offload"])
+def test_a_tier_emptied_by_a_crop_is_gone_and_the_cache_decodes_as_dynamic_cache(which, page_size):
+    """A crop that keeps only the exact sinks empties the compressed (or offload) tier: the tier is dropped (its
+    empty pool once failed a second crop, the dense view and the next routed or Quest step) and decoding goes on as
+    a DynamicCache cropped alike; a crop to 0 then takes a new prefill under the same press (refused before as a
+    layer already holding tiers)."""
+    from transformers import DynamicCache
+
+    from pikv_hf.presses import QuantPress, StreamingLLMPress
+
+    def press():
+        if which == "quant":
+            return QuantPress(bits=4, group_size=8, window=8, n_sink=2)
+        return StreamingLLMPress(compression_ratio=0.5, n_sink=2, offload="cpu")
+
+    read = dict(attention="routed", top_k_shards=2, sparse_from=0)
+    model, ref, ids, cache = _tiered(press(), page_size, **read)
+    assert cache.layers[0].tiers
+    dynamic = DynamicCache()
+    with torch.no_grad():
+        ref(ids, past_key_values=dynamic)
+    cache.crop(2)
+    dynamic.crop(2)
+    assert not any(layer.tiers for layer in cache.layers)
+    cache.crop(1)
+    dynamic.crop(1)
+    assert torch.equal(cache.layers[0].keys, dynamic.layers[0].keys)
+    with torch.no_grad():
+        for token in (7, 9):
+            at = torch.tensor([[dynamic.get_seq_length()]])
+            want = ref(torch.tensor([[token]]), past_key_values=dynamic, position_ids=at, cache_position=at[0]).logits
+            got = model(torch.tensor([[token]]), past_key_values=cache).logits
+            assert (got - want).abs().max() < 1e-4
+    cache.crop(0)
+    fresh = PiKVCache(model, num_shards=2, page_size=page_size, **read)
+    with torch.no_grad(), press()(model):
+        again = model(ids, past_key_values=cache).logits
+        want = model(ids, past_key_values=fresh).logits
+    assert (again - want).abs().max() < 1e-5 and list(cache.layers[0].tiers) == list(fresh.layers[0].tiers)
+
+
+def test_an_offload_press_that_moves_nothing_makes_no_tier():
+    """A one-token prompt under an offload press keeps its token: no empty offload tier is left behind (it once
+    forced sparse reads whose packed read of the empty tier failed inside generate)."""
+    from transformers import DynamicCache
+
+    from pikv_hf.presses import H2OPress
+    from pikv_hf.tiny import tiny_model
+
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    one = torch.tensor([[42]])
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    cache = PiKVCache(model, num_shards=2, page_size=1, attention="routed", top_k_shards=2)
+    with torch.no_grad(), H2OPress(compression_ratio=0.5, offload="cpu")(model):
+        out = model.generate(one, past_key_values=cache, **kw)
+    want = ref.generate(one, past_key_values=DynamicCache(), **kw)
+    assert not cache.layers[0].tiers
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, want.logits, strict=True)) < 1e-4

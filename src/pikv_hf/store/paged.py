@@ -487,6 +487,10 @@ class PagedStore:
         """Decoded keys ``[B, H, W * P, Dk]`` and values ``[B, H, W * P, Dv]`` over the frame."""
         return self.codec.decode({n: self.frame(n) for n in self.kv_fields})
 
+    def mark_sums_stale(self) -> None:
+        """Recount the shard key sums from the pages before they are next read (the stores they span changed)."""
+        self._sums_stale = True
+
     def keep_summaries(self) -> None:
         """Keep the key statistics selectors read (sums and squares per shard) from now on: computed from the pages
         here, incrementally afterwards. A store nobody selects shards of (exact and Quest reads) keeps only counts;

@@ -67,11 +67,13 @@ class LayerStores:
         tier ``name`` (see :meth:`tier`), with their shard and position; returns ``[B, H]`` tokens moved. Attention
         still reads them, from the tier; their per-slot statistics start over there. ``pool_tails``: the hot store's
         re-pack pools the shards' partly filled pages (``PagedStore.retain``; some kept tokens change shard)."""
-        st, tier = self.hot, self.tier(name)
+        st = self.hot
         move = st.frame("valid") & ~keep
         n = move.sum(-1)
         if not bool(n.any()):
+            self._drop_empty()  # a tier made for this move that receives nothing
             return n
+        tier = self.tier(name)
         pos = st.frame("pos").to(torch.int64)
         order = torch.where(move, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)[..., : int(n.max())]
         present = torch.arange(order.shape[-1], device=st.device) < n.unsqueeze(-1)
@@ -100,11 +102,21 @@ class LayerStores:
         removed = self.hot.retain(self.hot.frame("pos") < max_length, pool_tails=False)
         for tier in self.tiers.values():
             removed += tier.retain(tier.frame("pos") < max_length, pool_tails=False).to(removed.device)
+        self._drop_empty()
         return removed
 
     def index_batch(self, index: torch.Tensor) -> None:
         for st in self.all():
             st.index_batch(index.to(st.device))
+        self._drop_empty()
+
+    def _drop_empty(self) -> None:
+        """Forget the tiers that hold no token (a crop or a batch selection emptied them, or a move made one and put
+        nothing in it): a tier exists while it holds tokens, so reads, sum recounts and the refusal to evict a layer
+        that holds tiers see only those (an empty tier's read and recount failed on its empty pool)."""
+        for name in [name for name, tier in self.tiers.items() if not bool(tier.stats.count.any())]:
+            self.hot.summed_with.remove(self.tiers.pop(name))
+            self.hot.mark_sums_stale()
 
     def tokens_per_shard(self) -> torch.Tensor:
         """``[B, H, S]`` valid tokens per shard over every store."""
