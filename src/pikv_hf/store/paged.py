@@ -397,17 +397,29 @@ class PagedStore:
         src_of_slot = torch.full((total * p,), -1, dtype=torch.int64, device=self.device)
         src_of_slot[page * p + (r.rank % p)[r.ok]] = r.src
         bounds = self.page_bounds_kept
-        if self.codec.page_level:  # decoded before the slots move: their pages' fields are rebuilt below
-            dec_k, dec_v = self._decoded()
-        self.pool.remap_slots(src_of_slot, {"shard": shard_of_page})
+        page_values, redo = {"shard": shard_of_page}, None
+        if self.codec.page_level:
+            # a new page whose tokens all come from one old page keeps that page's fields (its codes stay valid: a
+            # crop keeps a quantised page's values as they were); the others are re-encoded from decoded content
+            src_page = torch.where(src_of_slot >= 0, src_of_slot.div(p, rounding_mode="floor"), -1).view(total, p)
+            first = src_page.amax(-1)
+            whole = (first >= 0) & ((src_page == first.unsqueeze(-1)) | (src_page < 0)).all(-1)
+            at = first.clamp(min=0)
+            for name, spec in self.pool.specs.items():
+                if spec.per_page and name != "shard":
+                    page_values[name] = self.pool.fields[name].index_select(0, at)
+            redo = (~whole).nonzero().squeeze(-1)
+            if redo.numel():  # decoded before the slots move
+                dec_k, dec_v = self._decoded()
+        self.pool.remap_slots(src_of_slot, page_values)
         self._marks = None  # slots moved
-        if self.codec.page_level and total:
-            take = src_of_slot.clamp(min=0)
-            keys = dec_k.reshape(-1, self.k_dim)[take].view(total, p, self.k_dim)
-            values = dec_v.reshape(-1, self.v_dim)[take].view(total, p, self.v_dim)
-            every = torch.arange(total, device=self.device)
-            fresh = torch.zeros_like(self.pool["valid"])
-            encode_pages(self.pool, self.codec, every, keys, values, fresh, dict(self.pool.fields), self.page_heads())
+        if redo is not None and redo.numel():
+            take = src_of_slot.view(total, p).index_select(0, redo).clamp(min=0).reshape(-1)
+            keys = dec_k.reshape(-1, self.k_dim)[take].view(-1, p, self.k_dim)
+            values = dec_v.reshape(-1, self.v_dim)[take].view(-1, p, self.v_dim)
+            fresh = torch.zeros(redo.numel(), p, dtype=torch.bool, device=self.device)
+            old = {name: self.pool.gather(name, redo) for name in self.pool.fields}
+            encode_pages(self.pool, self.codec, redo, keys, values, fresh, old, self.page_heads()[redo])
         used = r.count > 0
         t.n_pages = n_pages
         t.open_page = torch.where(used, r.page_base + r.n_pages - 1, -1)
