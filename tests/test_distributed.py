@@ -12,6 +12,7 @@ from helpers import free_port, generate, max_logit_diff, model_pair, prompt
 
 from pikv_hf import PiKVCache
 from pikv_hf.distributed import Communicator, ShardPlan, split_shards
+from pikv_hf.presses import DecodingBudgetPress, H2OPress, QuantPress
 from pikv_hf.store import PagedStore
 from pikv_hf.store.group import StoreGroup
 from pikv_hf.tiny import tiny_model
@@ -250,6 +251,46 @@ def test_partitioned_cache_refuses_quest_eviction_and_crop():
         cache.crop(5)
     cache.set_attention("routed", top_k_shards=1)
     assert cache.fork().partition is cache.partition
+
+
+def test_a_partition_that_plans_no_page_reads_nothing():
+    """Routed decode over pages of one token where a partition's shards are neither selected nor hold a sink or
+    window token (one prompt token, 4 shards on 2 partitions, one shard read): that partition merges away, as the
+    single store reads (its empty packed gather once failed to reshape)."""
+    model = tiny_model("llama", seed=0)
+    kw = dict(router="round_robin", num_shards=4, page_size=1, attention="routed", top_k_shards=1, sparse_from=0,
+              n_sink=0, window=1)  # fmt: skip
+    logits = []
+    for plan in (None, ShardPlan.for_devices(4, ["cpu", "cpu"])):
+        cache = PiKVCache(model, partition=plan, **kw)
+        with torch.no_grad():
+            token = model(torch.tensor([[17]]), past_key_values=cache).logits[:, -1:].argmax(-1)
+            logits.append(model(token, past_key_values=cache).logits)
+    assert (logits[0] - logits[1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "build", [lambda: DecodingBudgetPress(base_press=H2OPress(), target_size=8), lambda: QuantPress(group_size=8)],
+    ids=["decode_budget_h2o", "quant"],
+)  # fmt: skip
+def test_a_press_on_a_partitioned_cache_is_refused_before_it_changes(build):
+    """A press edits a layer through its dense view, which a partitioned cache has not: it is refused before layer 0
+    stores (a compressor press was refused after layer 0 stored the chunk, leaving the cache out of step, and a press
+    that needs slot statistics turned them on for good: every later forward failed, reset() included)."""
+    _, model = model_pair("mixtral")
+    ids = prompt(12)
+    cache = PiKVCache(model, router="expert", page_size=4, partition=ShardPlan.for_devices(4, ["cpu", "cpu"]))
+    alone = PiKVCache(model, router="expert", page_size=4)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        model(ids, past_key_values=alone)
+        with pytest.raises(RuntimeError, match="layer 0: .* is not supported on a partitioned cache"), build()(model):
+            model(ids, past_key_values=cache)
+        assert [layer.seen for layer in cache.layers] == [12] * len(cache.layers)
+        assert not any(layer.track_stats for layer in cache.layers)
+        assert max_logit_diff(model(ids, past_key_values=cache).logits, model(ids, past_key_values=alone).logits) < 1e-5
+    with pytest.raises(RuntimeError, match="layer 0: track_stats .* is not supported on a partitioned cache"):
+        cache.enable_stats()
 
 
 @pytest.fixture

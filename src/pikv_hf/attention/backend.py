@@ -350,7 +350,7 @@ class TorchBackend:
             return o, lse, lengths if count else None
         lengths, flat = packed_slots(start, plan.pages)
         keys, values = store.codec.decode(
-            {name: self._gather(store, name, flat).view(flat.numel(), -1) for name in store.kv_fields}
+            {name: self._gather(store, name, flat).flatten(0, 1) for name in store.kv_fields}  # pages of one slot
         )
         o, lse = packed_decode(query, keys, values, lengths, scale)
         return o, lse, lengths if count else None

@@ -77,7 +77,7 @@ def _packed_read(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lengths, flat = packed_slots(start, pages)
-    k, v = (field.index_select(0, flat).view(flat.numel(), -1) for field in (keys, values))
+    k, v = (field.index_select(0, flat).flatten(0, 1) for field in (keys, values))  # pages of one slot
     o, lse = packed_decode(query, k, v, lengths, scale)
     return o, lse, lengths
 

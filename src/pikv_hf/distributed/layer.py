@@ -58,6 +58,9 @@ class PartitionedLayer(PiKVLayer):
     def evict(self, keep: torch.Tensor) -> None:
         raise self._refuse("evict()")
 
+    def enable_stats(self) -> None:
+        raise self._refuse("track_stats (per-slot statistics need the merged attention)")
+
     def crop(self, max_length: int) -> None:
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise TypeError(f"max_length must be an int (a position, negative: from the end), got {max_length!r}")

@@ -270,11 +270,8 @@ class PiKVPress:
     @contextmanager
     def __call__(self, model: nn.Module):
         self.validate()
-        hooks = []
-        checks = self.shortens_keys or self.masks_keys or type(self).check_cache is not PiKVPress.check_cache
-        if checks or self.stats_needed():
-            for layer in decoder_layers(model):
-                hooks.append(layer.self_attn.register_forward_pre_hook(self._before_attention, with_kwargs=True))
+        hook = self._before_attention  # checks the cache before each layer's attention stores anything
+        hooks = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder_layers(model)]
         try:
             with super().__call__(model):
                 yield
@@ -285,6 +282,9 @@ class PiKVPress:
     def _before_attention(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         cache = kwargs.get("past_key_values")
         if isinstance(cache, PiKVCache):
+            layer = cache.layers[module.layer_idx]
+            if not layer.has_view:  # a partitioned cache: refused here, before the layer stores anything
+                raise layer._refuse(f"{type(self).__name__} (a press edits a layer through its dense view)")
             self.check_cache()
             if self.stats_needed():
                 cache.layers[module.layer_idx].enable_stats()
