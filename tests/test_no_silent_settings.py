@@ -173,10 +173,16 @@ def test_opaque_inputs_raise_named_errors_and_change_nothing():
     before = [int(layer.held().sum()) for layer in cache.layers]
     with pytest.raises(TypeError, match="key_states must be a torch.Tensor, got list"):
         cache.update([[1.0]], torch.zeros(2, 2, 1, 16), 0)
-    with pytest.raises(IndexError, match="indices must index batch rows in \\[0, 2\\), got \\[0, 5\\]"):
+    with pytest.raises(IndexError, match="indices must index at least one batch row, each in \\[0, 2\\), got \\[0, 5"):
         cache.batch_select_indices(torch.tensor([0, 5]))
-    with pytest.raises(IndexError, match="beam_idx must index batch rows in \\[0, 2\\)"):
+    with pytest.raises(IndexError, match="beam_idx must index at least one batch row, each in \\[0, 2\\)"):
         cache.reorder_cache(torch.tensor([2, 0]))
+    with pytest.raises(IndexError, match="got \\[-1, 0\\]"):  # passed the check, then failed in index_select
+        cache.reorder_cache(torch.tensor([-1, 0]))
+    with pytest.raises(IndexError, match="got \\[\\]"):  # an obscure error inside the stores before
+        cache.batch_select_indices(torch.tensor([], dtype=torch.int64))
+    with pytest.raises(IndexError, match="indices must select at least one batch row"):
+        cache.batch_select_indices(torch.zeros(2, dtype=torch.bool))
     with pytest.raises(TypeError, match="max_length must be an int"):
         cache.crop("10")
     assert [int(layer.held().sum()) for layer in cache.layers] == before and cache.get_seq_length() == 12

@@ -277,7 +277,8 @@ class PiKVCache(ForwardAwareCache):
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
 
     def _rows(self, name: str, index: torch.Tensor) -> None:
-        """``IndexError`` unless ``index`` (a tensor of row indices) is in range for the cache's batch."""
+        """``IndexError`` unless ``index`` (a tensor of row indices, or a row mask) selects at least one row, each in
+        range for the cache's batch (``[0, B)``: the rows are gathered with ``index_select``)."""
         check_tensor(name, index)
         batch = next((la.store.batch for la in self.layers if la.store is not None), None)
         if batch is None:
@@ -285,13 +286,15 @@ class PiKVCache(ForwardAwareCache):
         if index.dtype == torch.bool:
             if index.dim() != 1 or index.numel() != batch:
                 raise IndexError(f"{name} as a mask must be 1-D bool of length {batch}, got {tuple(index.shape)}")
+            if not bool(index.any()):
+                raise IndexError(f"{name} must select at least one batch row, got a mask of no row")
             return
         if index.is_floating_point() or index.dim() != 1:
             raise TypeError(
                 f"{name} must be a 1-D integer tensor of batch rows, got {index.dtype} {tuple(index.shape)}"
             )
-        if index.numel() and not bool(((index >= -batch) & (index < batch)).all()):
-            raise IndexError(f"{name} must index batch rows in [0, {batch}), got {index.tolist()}")
+        if not index.numel() or not bool(((index >= 0) & (index < batch)).all()):
+            raise IndexError(f"{name} must index at least one batch row, each in [0, {batch}), got {index.tolist()}")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._rows("beam_idx", beam_idx)
