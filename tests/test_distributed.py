@@ -205,6 +205,10 @@ def test_store_append_with_present_stores_only_those_tokens():
         ),
         (lambda: ShardPlan.for_ranks(4), ValueError, "needs world_size and rank, or an initialised torch.distributed"),
         (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=0), ValueError, "timeout must be a positive number"),
+        # built by hand: checked as the classmethods' plans (they failed inside a forward with torch's errors)
+        (lambda: ShardPlan((0, 1, 0, 1), ("cpu", "cuda:3")), ValueError, "names device 'cuda:3', but this process"),
+        (lambda: ShardPlan((0, 1), ("cpu", "meta")), ValueError, "names device 'meta', which holds no data"),
+        (lambda: ShardPlan((0.0, 1), ("cpu", "cpu")), ValueError, "owner must name a partition in \\[0, 2\\)"),
     ],
 )
 def test_bad_plans(build, error, message):

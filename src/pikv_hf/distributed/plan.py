@@ -98,7 +98,8 @@ class ShardPlan:
 
     def __post_init__(self) -> None:
         n = len(self.devices)
-        if not self.owner or any(not 0 <= p < n for p in self.owner):
+        ints = all(isinstance(p, int) and not isinstance(p, bool) for p in self.owner)
+        if not self.owner or not ints or any(not 0 <= p < n for p in self.owner):
             raise ValueError(
                 f"owner must name a partition in [0, {n}) for each of at least one shard, got {self.owner}"
             )
@@ -114,6 +115,9 @@ class ShardPlan:
             raise ValueError(f"rank must be an integer in [0, world_size={self.world_size}), got {self.rank!r}")
         if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        for p in self.local_partitions:  # a plan built by hand: its devices are checked as the classmethods' are
+            if self.devices[p] is not None:
+                check_device(self.devices[p])
 
     @property
     def num_shards(self) -> int:
