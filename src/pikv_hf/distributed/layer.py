@@ -38,7 +38,8 @@ class PartitionedLayer(PiKVLayer):
     def _group(self) -> PartitionedStore:
         return self.store
 
-    def _refuse(self, what: str) -> RuntimeError:
+    def refusal(self, what: str) -> RuntimeError:
+        """The error that refuses ``what`` on this layer (raised by the layer, and by a press before it edits one)."""
         return RuntimeError(
             f"layer {self.layer_idx}: {what} is not supported on a partitioned cache (its shards live on several "
             "devices or ranks)"
@@ -47,25 +48,25 @@ class PartitionedLayer(PiKVLayer):
     def view(self):
         if self.store is None:
             return None
-        raise self._refuse("a dense keys / values view")
+        raise self.refusal("a dense keys / values view")
 
     def view_index(self):
-        raise self._refuse("a dense keys / values view")
+        raise self.refusal("a dense keys / values view")
 
     def _check_dense_readable(self) -> None:
-        raise self._refuse("reading keys / values with another attention than 'pikv'")
+        raise self.refusal("reading keys / values with another attention than 'pikv'")
 
     def evict(self, keep: torch.Tensor) -> None:
-        raise self._refuse("evict()")
+        raise self.refusal("evict()")
 
     def enable_stats(self) -> None:
-        raise self._refuse("track_stats (per-slot statistics need the merged attention)")
+        raise self.refusal("track_stats (per-slot statistics need the merged attention)")
 
     def crop(self, max_length: int) -> None:
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise TypeError(f"max_length must be an int (a position, negative: from the end), got {max_length!r}")
         if self.store is not None and (max_length if max_length >= 0 else self.seen + max_length) < self.seen:
-            raise self._refuse("crop()")
+            raise self.refusal("crop()")
 
     def tokens_per_shard(self) -> torch.Tensor:
         if self.store is None:

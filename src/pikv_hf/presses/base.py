@@ -284,7 +284,7 @@ class PiKVPress:
         if isinstance(cache, PiKVCache):
             layer = cache.layers[module.layer_idx]
             if not layer.has_view:  # a partitioned cache: refused here, before the layer stores anything
-                raise layer._refuse(f"{type(self).__name__} (a press edits a layer through its dense view)")
+                raise layer.refusal(f"{type(self).__name__} (a press edits a layer through its dense view)")
             self.check_cache()
             if self.stats_needed():
                 cache.layers[module.layer_idx].enable_stats()
