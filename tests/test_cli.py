@@ -162,3 +162,19 @@ def test_demo_help_shows_defaults(capsys):
                   "tiny: placement router (default: expert)", "tiny: prompt tokens (default: 256)"):  # fmt: skip
         assert shown in help_text
     assert "default: None" not in help_text
+
+
+def test_eval_length_a_task_cannot_be_built_at_is_one_error_line(tmp_path, capsys):
+    """Found once the tokenizer counts the prompt (after the model loads), before any answer is written: a length
+    beyond the essay corpus once ran with prompts that stopped growing, one too short gave a traceback."""
+    from fixtures.tiny_assets import save_tiny_model_dir
+
+    (tmp_path / "tiny").mkdir()
+    model_dir = str(save_tiny_model_dir(tmp_path / "tiny"))
+    capsys.readouterr()  # the fixture's own progress output
+    for length, message in (("10000000", "the essay corpus holds"), ("64", "length=64 is too short")):
+        out = tmp_path / f"run{length}"
+        assert main(_tiny_eval(model_dir, out, "--length", length)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pikv-hf eval: error: ") and message in err and err.count("\n") == 1
+        assert not (out / "predictions.jsonl").exists()

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from pikv_hf.eval.haystack import Haystack, insert_needles
+from pikv_hf.eval.haystack import Haystack, LengthError, insert_needles
 from pikv_hf.eval.ruler import (
     NEEDLE_TASKS,
     RULER_TASKS,
@@ -131,3 +131,23 @@ def test_task_resolution_and_bad_input(haystack):
         generate_sample("niah_multiquery", 0, 40, 0, haystack)
     with pytest.raises(ValueError, match="index must be >= 0"):
         generate_sample("niah_single_number", -1, 1024, 0, haystack)
+
+
+@pytest.mark.parametrize("task", ["common_words", "frequent_words", "niah_multivalue", "qa_fact"])
+def test_no_answer_is_found_inside_a_wrong_word(haystack, task):
+    """Answers are matched as substrings (RULER's rule): no answer may sit inside another word of its sample (a list of
+    only uncommon words once scored 0.2 through "count" in "countries"; "lut" in "flut"), nor a qa_fact keyword in
+    an everyday word ("pho" in "photos" scored 1.0)."""
+    for index in range(60):
+        sample = generate_sample(task, index, 2048, 0, haystack)
+        text = sample.context.split("\n", 1)[1] if task != "qa_fact" else sample.context
+        words = set(re.findall(r"[A-Za-z0-9-]+", text)) - {a for a in sample.answers}
+        if task == "qa_fact":
+            words = {"photos", "phone", "lake", "street"}  # everyday words a wrong answer uses
+        inside = [(a, w) for a in sample.answers for w in words if a.lower() in w.lower()]
+        assert not inside, (index, inside)
+
+
+def test_a_length_beyond_the_essay_corpus_is_refused(haystack):
+    with pytest.raises(LengthError, match="the essay corpus holds"):
+        generate_sample("niah_single_number", 0, 10_000_000, 0, haystack)

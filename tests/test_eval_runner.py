@@ -322,3 +322,29 @@ def test_protocol_names_query_aware_and_agnostic_points():
     assert mixed["query_aware"] == "mixed"
     assert mixed["query_aware_presses"] == ["pikv_quest", "pikv_h2o_offload_routed"]
     assert mixed["protocol"].startswith("mixed. pikv_quest, pikv_h2o_offload_routed: query-aware")
+
+
+def test_a_changed_read_or_perplexity_setting_does_not_reuse_old_rows(tmp_path):
+    """--sparse-from is part of the output fingerprint (a resumed run mixed two read protocols), and perplexity rows
+    are reused only for the same context and scored lengths (a changed --perplexity-context reused the old rows)."""
+    import json
+
+    from pikv_hf.config import ReadConfig
+    from pikv_hf.eval.config import EvalConfig
+    from pikv_hf.eval.results import PERPLEXITY
+    from pikv_hf.eval.runner import _perplexity_rows
+
+    base = dict(suite="ruler", model="smollm2", presses=["none"], ratios=[0.5], out=str(tmp_path), cache="pikv")
+    assert EvalConfig(**base).fingerprint() != EvalConfig(**base, read=ReadConfig(sparse_from=8192)).fingerprint()
+    row = {"press": "none", "ratio": 0.0, "context_tokens": 512, "tokens": 255, "nll": 3.0, "perplexity": 20.0855}
+    (tmp_path / PERPLEXITY).write_text(json.dumps(row) + "\n")
+
+    def load():
+        raise RuntimeError("rows recomputed")
+
+    same = EvalConfig(**base, perplexity_context=512, perplexity_tokens=256)
+    assert _perplexity_rows(same, [("none", 0.0)], tmp_path / PERPLEXITY, load) == [row]
+    for context, tokens in ((4096, 256), (512, 64)):
+        other = dict(perplexity_context=context, perplexity_tokens=tokens)
+        with pytest.raises(RuntimeError, match="rows recomputed"):
+            _perplexity_rows(EvalConfig(**base, **other), [("none", 0.0)], tmp_path / PERPLEXITY, load)

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from pikv_hf.checks import CommandLineError
     from pikv_hf.eval.config import EvalConfig, resolve_inputs
+    from pikv_hf.eval.haystack import LengthError
     from pikv_hf.eval.results import prepare_out
     from pikv_hf.eval.runner import run_eval
 
@@ -110,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
         prepare_out(config)  # an --out of another configuration's results is refused here, as a bad argument
     except (ValueError, RuntimeError) as err:
         raise CommandLineError(str(err)) from err
-    metrics = run_eval(config, progress=not args.no_progress, inputs=inputs)
+    try:
+        metrics = run_eval(config, progress=not args.no_progress, inputs=inputs)
+    except LengthError as err:  # found once the tokenizer counts the prompts, before any answer is written
+        raise CommandLineError(str(err)) from err
     for point in metrics["per_point"]:
         print(json.dumps(point))
     print(f"wrote {args.out}/metrics.json ({metrics['n_rows']} samples, complete={metrics['complete']})")

@@ -218,6 +218,7 @@ class EvalConfig:
         read = self.read
         extra = {"page_size": (self.page_size, 16), "dense_layers": (read.dense_layers, 0)}
         extra["mass_target"] = (read.mass_target, None)
+        extra["sparse_from"] = (read.sparse_from, None)
         later = [f"{name}={value}" for name, (value, default) in extra.items() if value != default]
         return [self.num_shards, read.selector, read.n_sink, read.window, *later]
 

@@ -49,6 +49,10 @@ def essay_sentences() -> tuple[str, ...]:
     return tuple(sentences)
 
 
+class LengthError(ValueError):
+    """A prompt length a task cannot be built at (too short for its fixed text, or beyond the essay corpus)."""
+
+
 @lru_cache(maxsize=1)
 def word_list() -> tuple[str, ...]:
     """Sorted distinct lowercase alphabetic words of 4-10 letters occurring in the essays.
@@ -80,7 +84,11 @@ class Haystack:
         self.counts = [count_tokens(" " + s) for s in self.sentences]
 
     def take(self, rng: random.Random, budget: int) -> tuple[list[str], list[int]]:
-        """Consecutive sentences (wrapping around) from a random start, as many as fit in ``budget`` tokens."""
+        """Consecutive sentences (wrapping around) from a random start, as many as fit in ``budget`` tokens; a budget
+        beyond the whole corpus is refused (the prompt would stop growing and be labelled with a length it lacks)."""
+        corpus = sum(self.counts)
+        if budget > corpus:
+            raise LengthError(f"length: the haystack needs {budget} tokens, the essay corpus holds {corpus}")
         start = rng.randrange(len(self.sentences))
         chosen, counts, total = [], [], 0
         for step in range(len(self.sentences)):

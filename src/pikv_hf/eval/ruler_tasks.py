@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from pikv_hf.eval.haystack import Haystack, insert_needles, word_list
+from pikv_hf.eval.haystack import Haystack, LengthError, insert_needles, word_list
 
 NUM_MULTI = 4  # needles in multi-key / multi-value / multi-query tasks
 VT_CHAIN = 5  # variables in the variable-tracking chain (4 hops)
@@ -41,7 +41,7 @@ QA_FACTS = (
     ("Buenos Aires", "dance tango in a milonga after midnight", ("tango",)),
     ("Marrakesh", "drink mint tea on a rooftop above the souk", ("mint tea", "rooftop")),
     ("Reykjavik", "soak in a geothermal pool while it snows", ("geothermal", "pool")),
-    ("Hanoi", "eat pho at a street stall at dawn", ("pho",)),
+    ("Hanoi", "drink egg coffee by Hoan Kiem Lake at dawn", ("egg coffee", "Hoan Kiem")),  # not "pho": in "photos"
     ("Vienna", "hear a string quartet in a coffee house", ("string quartet", "coffee")),
     ("Cape Town", "hike up Lion's Head for the full moon", ("Lion's Head", "moon")),
     ("Montreal", "eat a bagel from a wood-fired oven", ("bagel",)),
@@ -98,10 +98,12 @@ def _key(rng: random.Random, words: tuple[str, ...]) -> str:
 
 
 def _distinct(rng: random.Random, make: Callable[[], str], n: int) -> list[str]:
+    """``n`` values of ``make`` none of which holds another (answers are matched as substrings: an answer inside
+    another word of the sample would score a wrong one)."""
     out: list[str] = []
     while len(out) < n:
         value = make()
-        if value not in out:
+        if not any(value in other or other in value for other in out):
             out.append(value)
     return out
 
@@ -182,7 +184,7 @@ def _with_haystack(
     fixed = count(instruction + "\n") + count(question) + count(prefix) + sum(count(" " + n) for n in needles)
     budget = length - reserve - fixed
     if budget <= 0:
-        raise ValueError(f"length={length} is too short for task {task!r} (needs more than {length - budget} tokens)")
+        raise LengthError(f"length={length} is too short for task {task!r} (needs more than {length - budget} tokens)")
     sentences, counts = haystack.take(rng, budget)
     depths = [rng.random() for _ in needles]
     if ordered:
@@ -273,20 +275,26 @@ def common_words(
     count = haystack.count_tokens
     words = list(word_list())
     rng.shuffle(words)
-    common, pool = words[:CWE_COMMON], iter(words[CWE_COMMON:])
     instruction = (
         "Below is a numbered list of words. In these words, some appear more often than others. "
         "Memorize the ones that appear most often."
     )
     question = f"What are the {CWE_COMMON} most common words in the above list?"
     prefix = f"The top {CWE_COMMON} words that appear most often in the list are:"
+    # answers are matched as substrings: no answer sits inside another word of the list or in the prompt's own text
+    fixed_text = f"{instruction} {question} {prefix}".lower()
+    common: list[str] = []
+    for w in words:
+        if len(common) < CWE_COMMON and w not in fixed_text and not any(w in c or c in w for c in common):
+            common.append(w)
+    pool = iter(w for w in words if not any(c in w or w in c for c in common))
     fixed = count(instruction + "\n") + count(question) + count(prefix)
     budget = length - reserve - fixed
     # common words take at most half the budget: CWE_FREQ_COMMON occurrences each, fewer for short prompts
     cost = sum(count(f" {CWE_COMMON * CWE_FREQ_COMMON}. {w}") for w in common)  # one occurrence of each
     freq = min(CWE_FREQ_COMMON, budget // (2 * cost))
     if freq < CWE_MIN_COMMON:
-        raise ValueError(f"length={length} is too short for task 'common_words'")
+        raise LengthError(f"length={length} is too short for task 'common_words'")
     base = [w for w in common for _ in range(freq)]
     items = _fill_list(count, budget, base, lambda: [next(pool)] * CWE_FREQ_UNCOMMON)
     rng.shuffle(items)
@@ -348,10 +356,10 @@ def frequent_words(
         if sum(count(" " + w) for w in words) <= budget:
             break
         if total <= len(vocab):
-            raise ValueError(f"length={length} is too short for task 'frequent_words'")
+            raise LengthError(f"length={length} is too short for task 'frequent_words'")
         total = int(total * 0.97)
     if not counts[FWE_TOP - 1] > counts[FWE_TOP]:
-        raise ValueError(f"length={length} is too short for task 'frequent_words' (top-{FWE_TOP} not distinct)")
+        raise LengthError(f"length={length} is too short for task 'frequent_words' (top-{FWE_TOP} not distinct)")
     rng.shuffle(words)
     return RulerSample(
         task="frequent_words",

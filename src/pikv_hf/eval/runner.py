@@ -73,16 +73,21 @@ def _duo_heads(config: EvalConfig, model, tokenizer, out: Path) -> str | None:
 
 def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer) -> list[dict]:
     """Perplexity of ``perplexity_tokens`` held-out essay tokens after a compressed held-out context of
-    ``perplexity_context`` tokens, per point (resumable: one line per point in ``path``); [] when off."""
+    ``perplexity_context`` tokens, per point (resumable: one line per point and setting in ``path``: rows of other
+    context or scored lengths stay there unread); [] when off."""
     if not config.perplexity_context:
         return []
     from pikv_hf.eval import compression
 
-    done = {(r["press"], r["ratio"]): r for r in read_predictions(path)}
+    context, scored = config.perplexity_context, config.perplexity_tokens - 1  # the first target is not scored
+    done = {
+        (r["press"], r["ratio"]): r
+        for r in read_predictions(path)
+        if r["context_tokens"] == context and r["tokens"] == scored
+    }
     pending = [(p, r) for p, r in points if (p, r) not in done]
     if pending:
         model, tokenizer, _ = model_and_tokenizer()
-        context = config.perplexity_context
         ids = compression.held_out_ids(tokenizer, context + config.perplexity_tokens)
         heads = _duo_heads(config, model, tokenizer, path.parent)
         caches = PointCaches(model, config, ids[:, :context], heads=heads, errors=False)
@@ -180,6 +185,8 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
             from pikv_hf.eval.ruler import generate_sample, score_sample
 
             haystack = Haystack(builder.count)
+            for task, length in sorted({(t, n) for _, n, t in pending}):  # a length a task cannot be built at is
+                generate_sample(task, 0, length, config.seed, haystack, builder.reserve())  # refused before any answer
         heads = _duo_heads(config, model, tokenizer, out)
         # shown unless progress is off; then tqdm's own settings apply (TQDM_DISABLE=1 hides it too)
         hide = {} if progress else {"disable": True}
