@@ -18,11 +18,11 @@ against one reference (LongBench takes the maximum over a sample's references an
 
 Not bit-comparable with the official scripts' published numbers on the ROUGE datasets (gov_report, qmsum,
 multi_news, samsum, vcsum, dureader): LongBench's ``eval.py`` scores them with the ``rouge`` 1.0.1 package, which is
-case-sensitive, keeps punctuation on words, counts distinct words and scores 0 on any exception (2-10 points lower
-here on English summaries, measured on essay text; up to 30 on synthetic Chinese). ``code_sim`` differs by at most
-0.005 per sample (``fuzzywuzzy`` rounds to whole percents), and ``classification`` where the official loop skips a
-class it deletes while iterating (two matched classes in a row, both substrings of the reference). Compare presses
-with each other under this harness, not with published LongBench tables.
+case-sensitive, keeps punctuation on words, counts distinct words and scores 0 on any exception ("Paris" against
+"paris": 1.0 here, 0.0 there; "the cat the cat" against "the cat": 0.667 here, 1.0 there). ``code_sim`` differs by
+at most 0.005 per sample (``fuzzywuzzy`` rounds to whole percents), and ``classification`` where the official loop
+skips a class it deletes while iterating (two matched classes in a row, both substrings of the reference). Compare
+presses with each other under this harness, not with published LongBench tables.
 """
 
 from __future__ import annotations
