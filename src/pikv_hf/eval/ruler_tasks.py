@@ -285,7 +285,9 @@ def common_words(
     fixed_text = f"{instruction} {question} {prefix}".lower()
     common: list[str] = []
     for w in words:
-        if len(common) < CWE_COMMON and w not in fixed_text and not any(w in c or c in w for c in common):
+        if len(common) == CWE_COMMON:
+            break
+        if w not in fixed_text and not any(w in c or c in w for c in common):
             common.append(w)
     pool = iter(w for w in words if not any(c in w or w in c for c in common))
     fixed = count(instruction + "\n") + count(question) + count(prefix)
