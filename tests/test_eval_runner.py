@@ -348,3 +348,18 @@ def test_a_changed_read_or_perplexity_setting_does_not_reuse_old_rows(tmp_path):
         other = dict(perplexity_context=context, perplexity_tokens=tokens)
         with pytest.raises(RuntimeError, match="rows recomputed"):
             _perplexity_rows(EvalConfig(**base, **other), [("none", 0.0)], tmp_path / PERPLEXITY, load)
+
+
+def test_a_last_row_that_lost_its_newline_is_kept_and_the_next_row_starts_a_line(tmp_path):
+    """A whole last row without its newline (an interrupted write) is read and gets the newline back, so the next
+    appended row starts its own line (the two once shared a line: a later resume dropped both and every row after)."""
+    import json
+
+    from pikv_hf.eval.results import append_row, read_predictions
+
+    path = tmp_path / "predictions.jsonl"
+    path.write_text(json.dumps({"key": "a"}) + "\n" + json.dumps({"key": "b"}))
+    assert [r["key"] for r in read_predictions(path)] == ["a", "b"]
+    with path.open("a", encoding="utf-8") as handle:
+        append_row(handle, {"key": "c"})
+    assert [r["key"] for r in read_predictions(path)] == ["a", "b", "c"]

@@ -28,10 +28,12 @@ def append_row(handle, row: dict) -> None:
 
 
 def read_predictions(path: Path) -> list[dict]:
-    """Rows of ``predictions.jsonl``; a torn last line (interrupted write) is dropped from the file."""
+    """Rows of ``predictions.jsonl``; a torn last line (interrupted write) is dropped from the file, and a whole last
+    row that lost only its newline gets it back (the next row appended would otherwise share its line, and a later
+    read drop both and every row after them)."""
     if not path.is_file():
         return []
-    rows, good_bytes = [], 0
+    rows, good_bytes, ended = [], 0, True
     with path.open("rb") as handle:
         for raw in handle:
             try:
@@ -39,9 +41,13 @@ def read_predictions(path: Path) -> list[dict]:
             except json.JSONDecodeError:
                 break
             good_bytes += len(raw)
+            ended = raw.endswith(b"\n")
     if good_bytes != path.stat().st_size:
         with path.open("r+b") as handle:
             handle.truncate(good_bytes)
+    if not ended:
+        with path.open("ab") as handle:
+            handle.write(b"\n")
     return rows
 
 
