@@ -287,8 +287,8 @@ class PiKVPress:
                 raise layer.refusal(f"{type(self).__name__} (a press edits a layer through its dense view)")
             self.check_cache()
             if self.stats_needed():
-                cache.layers[module.layer_idx].enable_stats()
-        elif cache is not None:
+                layer.enable_stats()
+        elif cache is not None and module.layer_idx == 0:  # the whole cache and the model's attention: checked once
             self.check_other_cache(module, cache)
 
 
