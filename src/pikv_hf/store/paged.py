@@ -407,7 +407,7 @@ class PagedStore:
             at = first.clamp(min=0)
             for name, spec in self.pool.specs.items():
                 if spec.per_page and name != "shard":
-                    page_values[name] = self.pool.fields[name].index_select(0, at)
+                    page_values[name] = self.pool.gather(name, at)
             redo = (~whole).nonzero().squeeze(-1)
             if redo.numel():  # decoded before the slots move
                 dec_k, dec_v = self._decoded()
