@@ -235,6 +235,18 @@ def test_gather_pages_equals_indexing_and_the_reference(dtype, page_shape):
 QUANT_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}  # the dequantised values are rounded
 
 
+def _holding(case: Case, keys: torch.Tensor, values: torch.Tensor) -> Case:
+    """``case`` with its dense tokens as the pool pages ``keys`` / ``values`` (``[N, P, D]``, e.g. dequantised) hold
+    them."""
+    dense = replace(case, dense_k=case.dense_k.clone(), dense_v=case.dense_v.clone())
+    for bi, hi in itertools.product(range(len(PADS)), range(H)):
+        run = case.table[bi, hi][case.table[bi, hi] >= 0]
+        ok = case.valid[run]
+        dense.dense_k[bi, hi, case.pos[run][ok].long()] = keys[run][ok].cpu()
+        dense.dense_v[bi, hi, case.pos[run][ok].long()] = values[run][ok].cpu()
+    return dense
+
+
 @pytest.mark.parametrize(
     "bits, scale_dtype, dtype, group",
     [
@@ -250,12 +262,7 @@ def test_quantised_decode_equals_dequantised_reference_and_sdpa(bits, scale_dtyp
     case = _case(4, 64, 128, 16, dtype, q=2)
     quant = quantize_pages(case.keys, case.values, bits, group=group, valid=case.valid, scale_dtype=scale_dtype)
     keys, values = dequantize_pages(quant)
-    dense = replace(case, dense_k=case.dense_k.clone(), dense_v=case.dense_v.clone())  # as the pages now hold them
-    for bi, hi in itertools.product(range(len(PADS)), range(H)):
-        run = case.table[bi, hi][case.table[bi, hi] >= 0]
-        ok = case.valid[run]
-        dense.dense_k[bi, hi, case.pos[run][ok].long()] = keys[run][ok].cpu()
-        dense.dense_v[bi, hi, case.pos[run][ok].long()] = values[run][ok].cpu()
+    dense = _holding(case, keys, values)
     plan = dict(page_full=case.sparse_full, n_sink=N_SINK, window=WINDOW, row_start=case.row_start)
     for table, extra, allowed in ((case.table, {}, case.stored), (case.sparse, plan, case.selected)):
         args = (case.query, quant, case.pos, case.valid, table, case.qpos, 0.125)
@@ -263,6 +270,24 @@ def test_quantised_decode_equals_dequantised_reference_and_sdpa(bits, scale_dtyp
         _assert_close(got, _dense(dense, allowed, 0.125), QUANT_TOL[dtype])
         ref = decode_attention_reference(case.query, keys, values, *args[2:], **extra)
         _assert_close(got, ref, QUANT_TOL[dtype])
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_pages_of_more_than_a_tile_but_not_whole_tiles_read_each_tile_slot_from_its_own_page(bits):
+    """Pages of 96 slots (a tile of 64 crosses a page boundary): each slot of such a tile is read from its own table
+    entry's page (with that page's key scales), exact and sparse tables, against the dense float reference."""
+    case = _case(4, 64, 64, 96, torch.float32, seed=3)
+    assert (case.table >= 0).sum(-1).max() >= 3  # rows of several scattered pages: tiles cross page boundaries
+    quant = quantize_pages(case.keys, case.values, bits, group=16, valid=case.valid) if bits else None
+    dense = _holding(case, *dequantize_pages(quant)) if bits else case
+    plan = dict(page_full=case.sparse_full, n_sink=N_SINK, window=WINDOW, row_start=case.row_start)
+    for table, extra, allowed in ((case.table, {}, case.stored), (case.sparse, plan, case.selected)):
+        if bits:
+            got = decode_attention_quant(case.query, quant, case.pos, case.valid, table, case.qpos, 0.125, **extra)
+        else:
+            args = (case.query, case.keys, case.values, case.pos, case.valid, table, case.qpos, 0.125)
+            got = decode_attention(*args, **extra)
+        _assert_close(got, _dense(dense, allowed, 0.125), 1e-5)
 
 
 def test_quantised_layout_packs_low_bits_first_with_per_channel_keys_and_grouped_values():

@@ -6,9 +6,10 @@ once for its whole group: ``q [BLOCK_R, D] @ k^T [D, BLOCK_N]``, then ``p [BLOCK
 16-bit inputs on the tensor cores with float32 accumulation (float32 models: ``ieee``). The table row's slots in use
 (``lengths``) are cut into ``splits`` runs of whole tiles, the number of splits chosen on the host from
 ``B * H`` and the SM count, so a sparse plan (a narrower table) costs in proportion to what it reads. A slot ``j``
-is local page ``j // P`` at offset ``j % P``: when a page holds a whole tile (``P >= BLOCK_N``) the tile is one table
-entry and ``BLOCK_N`` contiguous slots; smaller pages (down to one token) read one table entry per slot, each slot a
-contiguous ``D`` row. A slot may be read when
+is local page ``j // P`` at offset ``j % P``: when a page is a whole number of tiles (``P % BLOCK_N == 0``; tiles
+start at multiples of ``BLOCK_N``) the tile is one table entry and ``BLOCK_N`` contiguous slots; other pages (down
+to one token, or a tile crossing a page boundary) read one table entry per slot, each slot a contiguous ``D`` row.
+A slot may be read when
 
     ``valid & page_exists & (page_full | sink | recent)``   (``sink``: ``0 <= pos - row_start[b] < n_sink``,
                                                               ``recent``: ``pos > qpos[-1] - window``)
@@ -86,7 +87,7 @@ def _tile(
     at global page ``run_first``, 2 no table (the run's pages in order)."""
     offs = tl.arange(0, BLOCK_N)
     in_split = start + offs < hi
-    if PAGE >= BLOCK_N:  # one page holds the whole tile: one table entry, contiguous slots
+    if PAGE % BLOCK_N == 0:  # one page holds the whole tile: one table entry, contiguous slots
         if TABLE == 2:
             page = run_first + start // PAGE
         else:
@@ -248,7 +249,7 @@ def _load_kv(
             k = _row_codes(k_ptr, slot, k_mask, BLOCK_N, DK, BITS)
         else:
             k = _codes(k_ptr, slot, dk, k_mask, DK * BITS // 8, BITS)
-        if PAGE >= BLOCK_N:  # one page: one scale / zero row for the tile
+        if PAGE % BLOCK_N == 0:  # one page: one scale / zero row for the tile
             at = page.to(tl.int64) * DK + dk
             row_ok = (dk < DK) & (tl.zeros_like(dk) + page >= 0)
             k_scale = tl.load(ks_ptr + at, mask=row_ok, other=0.0).to(tl.float32)

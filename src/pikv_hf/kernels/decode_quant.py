@@ -35,7 +35,7 @@ reshaped or shuffled:
   nibbles (low bits first), so ``(word >> 4j) & 15`` is the code matrix of the channels ``4i + j``, dotted with those
   channels of the query (``q<j> = q[:, j::4]``, loaded once per program). ``s = q . (code * k_scale + k_zero) =
   sum_j (q<j> * ks<j>) @ code<j>^T + q . k_zero`` with one scale and zero per page and channel: when a tile lies in
-  one page (``P >= BLOCK_N``) the scales are folded into the query, ``[BLOCK_R, Dk]`` products per tile instead of
+  one page (``P % BLOCK_N == 0``) the scales are folded into the query, ``[BLOCK_R, Dk]`` products per tile instead of
   ``[BLOCK_N, Dk]`` (``BLOCK_R`` = 16 rows for a GQA group of 4 against tiles of 64-128 slots); smaller pages decode
   each field with its slots' page scales. Words rather than bytes: the dot operand of byte codes was read from shared
   memory a byte at a time (sm_90 SASS).
@@ -347,7 +347,7 @@ def _split_q4_kernel_fn(
             PAGE, BLOCK_N, HAS_FULL, TABLE,
         )  # fmt: skip
         kw = tl.load(kq_words + slot[:, None] * WK + iw[None, :], mask=load[:, None], other=0)
-        ONE_PAGE: tl.constexpr = PAGE >= BLOCK_N  # the tile's page's scales folded into the query
+        ONE_PAGE: tl.constexpr = PAGE % BLOCK_N == 0  # the tile's page's scales folded into the query
         if ONE_PAGE:
             at = page.to(tl.int64) * DK + 4 * iw
             has = tl.zeros_like(iw) + page >= 0
