@@ -386,6 +386,29 @@ def test_decode_budget_by_index_on_a_dynamic_cache_keeps_position_order(n_sink):
     assert max((a - b).abs().max().item() for a, b in zip(want, got, strict=True)) < 1e-4
 
 
+def test_streaming_llm_budget_below_its_sinks_keeps_the_earliest_sinks_on_both_caches():
+    """37 tokens at ratio 0.9 keep 3 per head, fewer than ``n_sink=4``: both caches keep positions 0-2 and decode the
+    same logits (every sink scored +inf, kvpress's topk and PiKV's stable sort kept different sinks, logits off by
+    up to 1)."""
+    ref, model = model_pair("llama")
+    ids, tokens = prompt(37, seed=0), prompt(4, seed=5)
+    dynamic, cache = DynamicCache(), PiKVCache(model, num_shards=1, page_size=4)
+    with torch.no_grad():
+        with StreamingLLMPress(0.9, n_sink=4)(ref):
+            ref(ids, past_key_values=dynamic)
+        with StreamingLLMPress(0.9, n_sink=4)(model):
+            model(ids, past_key_values=cache)
+        view = cache.layers[0].view()
+        assert view.pos[view.valid].view(-1, 3).eq(torch.arange(3)).all() and dynamic.layers[0].keys.shape[2] == 3
+        at = [torch.tensor([[37 + i]]) for i in range(4)]  # a cut DynamicCache's length is no position
+        want, got = [], []
+        for i in range(4):
+            step = dict(input_ids=tokens[:, i : i + 1], position_ids=at[i], cache_position=at[i][0])
+            want.append(ref(**step, past_key_values=dynamic).logits[0, -1])
+            got.append(model(**step, past_key_values=cache).logits[0, -1])
+    assert max((a - b).abs().max().item() for a, b in zip(want, got, strict=True)) < 1e-4
+
+
 @pytest.mark.parametrize("ratio", [1.0, -0.5])
 @pytest.mark.parametrize("build", [lambda: H2OPress(0.5), lambda: AdaKVPress(H2OPress(0.5)),
                                    lambda: PyramidPress(0.5, scorer=H2OPress(), slope=0.5)])  # fmt: skip

@@ -12,12 +12,16 @@ from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVScorerPress
 from pikv_hf.view import DenseView
 
+_ABOVE_POSITIONS = float(2**24)  # float32 holds every integer below it
+
 
 def sink_recent_scores(rel_pos: torch.Tensor, n_sink: int) -> torch.Tensor:
-    """``[B, H, T]`` scores ranking the first ``n_sink`` positions of each row first, then the most recent, older
-    last (``rel_pos``: positions counted from the row's first real token; ``-1``: padding)."""
-    pos = rel_pos.float()
-    return torch.where((rel_pos >= 0) & (rel_pos < n_sink), float("inf"), pos)
+    """``[B, H, T]`` scores ranking the first ``n_sink`` positions of each row first (the earliest first), then the
+    most recent, older last (``rel_pos``: positions counted from the row's first real token; ``-1``: padding). No two
+    entries of a (row, head) tie, so a budget smaller than ``n_sink`` keeps the same sinks under any top-k (kvpress's
+    ``torch.topk`` on a DynamicCache, a stable sort in a PiKVCache)."""
+    pos = rel_pos.float()  # exact below 2**24: sink p scores 2**24 - p, above every position
+    return torch.where((rel_pos >= 0) & (rel_pos < n_sink), _ABOVE_POSITIONS - pos, pos)
 
 
 @dataclass
