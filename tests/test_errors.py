@@ -28,11 +28,48 @@ def _unchanged(cache, snap):
         (dict(num_shards=32768), "num_shards must be at most 32767 \\(a page's shard id is int16\\), got 32768"),
         (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
         (dict(shard_groups=9, num_shards=4), "shard_groups must be an integer in \\[1, num_shards=4\\]"),
+        (dict(shard_groups=True), "shard_groups must be an integer in \\[1, num_shards=4\\], got True"),
+        (dict(page_size=True), "page_size must be an integer >= 1, got True"),
+        (dict(dense_layers=True), "dense_layers must be an integer in \\[0, 3\\], got True"),
+        (dict(n_sink=False), "n_sink must be an integer >= 0, got False"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PiKVCache(tiny_config("mixtral"), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(track_stats="yes"), "track_stats must be a bool, got 'yes'"),
+        (dict(measure_recall=1), "measure_recall must be a bool, got 1"),
+        (dict(attention="routed", top_k_shards=2, selector_kwargs="a"), "selector_kwargs must be a dict"),
+    ],
+)
+def test_flags_and_option_dicts_of_the_wrong_type(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        PiKVCache(tiny_config("mixtral"), **kwargs)
+
+
+def _model_state(model):
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    return model.config._attn_implementation, hooks
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "mamba"])
+def test_a_model_without_attention_layers_is_refused_and_left_as_it_was(kind):
+    """GPT-2 (no ``.model.layers``) and Mamba (decoder layers without self-attention: it was accepted and stayed
+    empty) are refused; the model keeps its attention implementation and hooks (GPT-2 was switched to "pikv" and
+    hooked before the refusal)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dims = dict(n_layer=2, n_embd=32, n_head=2) if kind == "gpt2" else dict(num_hidden_layers=2, hidden_size=32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, vocab_size=64, **dims))
+    before = _model_state(model)
+    with pytest.raises(ValueError, match="decoder layers|self-attention module in every decoder layer"):
+        PiKVCache(model)
+    assert _model_state(model) == before
 
 
 def test_expert_router_needs_a_model_and_an_moe():
@@ -67,6 +104,7 @@ def _cache_with_tokens():
         (torch.randn(2, 2, 16), torch.randn(2, 2, 16), "must be \\[B, H_kv, q, D\\]"),
         (torch.randn(2, 2, 0, 16), torch.randn(2, 2, 0, 16), "at least one new token"),
         (torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16).half(), "key_states dtype torch.float32 != value_states"),
+        (torch.ones(2, 2, 1, 16, dtype=torch.int64),) * 2 + ("must be floating point, got torch.int64",),
     ],
 )
 def test_bad_updates_raise_before_changing_state(keys, values, message):
@@ -75,6 +113,49 @@ def test_bad_updates_raise_before_changing_state(keys, values, message):
     with pytest.raises(ValueError, match=message):
         cache.update(keys, values, 0)
     assert _unchanged(cache, snap)
+
+
+@pytest.mark.parametrize(
+    ("states", "message"),
+    [
+        (torch.ones(2, 2, 3, 16, dtype=torch.bool), "must be floating point, got torch.bool"),
+        (torch.ones(2, 2, 3, 16, dtype=torch.uint8), "must be floating point, got torch.uint8"),
+        (torch.randn(2, 2, 3, 16, device="meta"), "must lie on one real device"),
+        (torch.randn(0, 2, 3, 16), "must have B, H_kv and D >= 1"),
+    ],
+)
+def test_a_bad_first_update_leaves_the_layer_empty_for_a_good_one(states, message):
+    """The first update of a layer builds its store: refused inputs build nothing (a meta or empty batch left a
+    half-built layer that refused the next good update; bool keys were stored)."""
+    cache = PiKVCache(tiny_config("mixtral"), page_size=4)
+    with pytest.raises(ValueError, match=message):
+        cache.update(states, states, 0)
+    keys, values = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)
+    got_k, got_v = cache.update(keys, values, 0)
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values) and cache.get_seq_length() == 3
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda c: c.batch_repeat_interleave(0), ValueError, "repeats must be an integer >= 1, got 0"),
+        (lambda c: c.batch_repeat_interleave(True), ValueError, "repeats must be an integer >= 1, got True"),
+        (lambda c: c.reorder_cache(torch.tensor([0, 1], device="meta")), ValueError, "beam_idx must be on the CPU"),
+        (lambda c: c.batch_select_indices(torch.tensor([0], device="meta")), ValueError, "indices must be on the CPU"),
+        (lambda c: c.update(torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16), True), IndexError, "got True"),
+    ],
+)
+def test_bad_batch_edits_raise_before_any_layer_changes(call, error, message):
+    """``batch_repeat_interleave(0)`` emptied layer 0 before failing on layer 1 (batches [0, 2, 2], every later
+    forward failed); a meta index failed reading its values; ``layer_idx=True`` wrote layer 1."""
+    cache = _cache_with_tokens()
+    for i in (1, 2):
+        cache.update(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), i)
+    snap = _snapshot(cache)
+    with pytest.raises(error, match=message):
+        call(cache)
+    assert _unchanged(cache, snap) and [la.store.batch for la in cache.layers] == [2, 2, 2]
+    assert [la.seen for la in cache.layers] == [5, 5, 5]
 
 
 @pytest.mark.parametrize("layer_idx", [3, -1, 10])

@@ -355,6 +355,10 @@ def test_offloaded_tokens_are_read_back_and_counted(target, shipped_sparse_from)
         (lambda: DecodingBudgetPress(StreamingLLMPress(n_sink=8), target_size=8), "target_size must exceed"),
         (lambda: QuestPress(compression_ratio=0.5, page_size=0), "page_size must be an integer >= 1"),
         (lambda: H2OPress(0.5, shard_budget="even"), "shard_budget must be one of global, proportional"),
+        (lambda: AdaKVPress(H2OPress(0.5), alpha_safeguard=2), "alpha_safeguard must be a number in \\[0, 1\\], got 2"),
+        (lambda: AdaKVPress(H2OPress(0.5), alpha_safeguard=float("nan")), "alpha_safeguard must be a number in"),
+        (lambda: DecodingBudgetPress(H2OPress(), hidden_states_buffer_size=-1), "hidden_states_buffer_size must be"),
+        (lambda: DuoAttentionPress(0.5, heads="/no/such/heads.json"), "heads must be a file written by save_heads"),
     ],
 )
 def test_bad_arguments(build, message):

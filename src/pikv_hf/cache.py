@@ -144,7 +144,9 @@ class PiKVCache(ForwardAwareCache):
         check_int_at_least("page_size", page_size, 1)
         if max_cache_len is not None:
             check_int_at_least("max_cache_len", max_cache_len, 1)
-        if not isinstance(shard_groups, int) or not 1 <= shard_groups <= num_shards:
+        if not isinstance(track_stats, bool):
+            raise TypeError(f"track_stats must be a bool, got {track_stats!r}")
+        if not isinstance(shard_groups, int) or isinstance(shard_groups, bool) or not 1 <= shard_groups <= num_shards:
             raise ValueError(f"shard_groups must be an integer in [1, num_shards={num_shards}], got {shard_groups!r}")
         n_layers = text_config.num_hidden_layers
         read = ReadConfig.build(attention, num_shards=num_shards, num_layers=n_layers, **read_options)
@@ -160,13 +162,18 @@ class PiKVCache(ForwardAwareCache):
         if partition is not None:  # checks the plan (and, over ranks, that every rank builds this cache) first
             settings = dict(num_shards=num_shards, page_size=page_size, router=router, shard_groups=shard_groups)
             placed = bind(partition, config=text_config, track_stats=track_stats, read=read, **settings)
-        tap = _expert_tap(model) if router == "expert" else None
+        modules = [getattr(la, "self_attn", None) for la in decoder_layers(model)] if is_model else [None] * n_layers
+        if is_model and None in modules:
+            raise ValueError(
+                f"PiKVCache needs a self-attention module in every decoder layer; {type(model).__name__} has none in "
+                f"layer {modules.index(None)}"
+            )
+        tap = _expert_tap(model) if router == "expert" else None  # the model changes from here on
         if is_model:
             attach(model)
         self.backend = backend
         self._forward = ForwardState()
         self._forwards: list[ForwardState] = []  # the states of forwards in progress (nested: kvpress passes)
-        modules = [getattr(la, "self_attn", None) for la in decoder_layers(model)] if is_model else [None] * n_layers
         sliding = sliding_layers(text_config)
         mode: dict[str, Any] = {}
         layer_class: type[PiKVLayer] = PiKVLayer
@@ -272,7 +279,7 @@ class PiKVCache(ForwardAwareCache):
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
     ) -> tuple[PagedKV, PagedKV] | tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
 
@@ -280,9 +287,12 @@ class PiKVCache(ForwardAwareCache):
         """``IndexError`` unless ``index`` (a tensor of row indices, or a row mask) selects at least one row, each in
         range for the cache's batch (``[0, B)``: the rows are gathered with ``index_select``)."""
         check_tensor(name, index)
-        batch = next((la.store.batch for la in self.layers if la.store is not None), None)
-        if batch is None:
+        store = next((la.store for la in self.layers if la.store is not None), None)
+        if store is None:
             return
+        batch = store.batch
+        if index.device.type not in ("cpu", store.device.type):
+            raise ValueError(f"{name} must be on the CPU or the cache's device ({store.device}), got {index.device}")
         if index.dtype == torch.bool:
             if index.dim() != 1 or index.numel() != batch:
                 raise IndexError(f"{name} as a mask must be 1-D bool of length {batch}, got {tuple(index.shape)}")
@@ -303,6 +313,10 @@ class PiKVCache(ForwardAwareCache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._rows("indices", indices)
         super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        check_int_at_least("repeats", repeats, 1)
+        super().batch_repeat_interleave(repeats)
 
     def crop(self, max_length: int) -> None:
         if not isinstance(max_length, int) or isinstance(max_length, bool):

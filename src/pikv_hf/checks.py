@@ -8,7 +8,7 @@ import inspect
 
 def check_int_at_least(name: str, value: object, low: int) -> None:
     """Raise ``ValueError("<name> must be an integer >= <low>, got <value>")`` unless ``value`` is such an int."""
-    if not isinstance(value, int) or value < low:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
@@ -109,8 +109,20 @@ def check_kv_update(layer_idx: int, key_states: object, value_states: object, pr
         )
     if key_states.shape[2] < 1:
         raise ValueError("key_states must hold at least one new token (q >= 1)")
+    if min(*key_states.shape[:2], key_states.shape[3], value_states.shape[3]) < 1:
+        raise ValueError(
+            f"key_states / value_states must have B, H_kv and D >= 1, got {tuple(key_states.shape)} and "
+            f"{tuple(value_states.shape)}"
+        )
     if key_states.dtype != value_states.dtype:
         raise ValueError(f"key_states dtype {key_states.dtype} != value_states dtype {value_states.dtype}")
+    if not key_states.is_floating_point():
+        raise ValueError(f"key_states / value_states must be floating point, got {key_states.dtype}")
+    if key_states.device.type == "meta" or value_states.device != key_states.device:
+        raise ValueError(
+            f"key_states / value_states must lie on one real device, got {key_states.device} and "
+            f"{value_states.device}"
+        )
     if present is not None and tuple(present.shape) != (key_states.shape[0], key_states.shape[2]):
         raise ValueError(
             f"layer {layer_idx}: the forward's padding mask covers {tuple(present.shape)} new tokens, "

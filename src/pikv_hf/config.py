@@ -114,7 +114,10 @@ class ReadConfig:
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(f"unknown read option(s) {', '.join(unknown)}; expected some of {', '.join(sorted(names))}")
-        options["selector_kwargs"] = dict(options.get("selector_kwargs") or {})
+        kwargs = options.get("selector_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"selector_kwargs must be a dict of the selector's arguments, got {kwargs!r}")
+        options["selector_kwargs"] = dict(kwargs)
         return cls(attention=attention, **options).validated(num_shards, num_layers)
 
     def validated(self, num_shards: int | None, num_layers: int | None) -> ReadConfig:
@@ -129,7 +132,10 @@ class ReadConfig:
         if self.sparse_from is not None:
             check_int_at_least("sparse_from", self.sparse_from, 0)
         most = num_layers if num_layers is not None else "the number of layers"
-        if not isinstance(self.dense_layers, int) or not 0 <= self.dense_layers <= (num_layers or self.dense_layers):
+        if not isinstance(self.measure_recall, bool):
+            raise TypeError(f"measure_recall must be a bool, got {self.measure_recall!r}")
+        dense = self.dense_layers
+        if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense <= (num_layers or dense):
             raise ValueError(f"dense_layers must be an integer in [0, {most}], got {self.dense_layers!r}")
         try:  # the routed options are checked in every mode: a bad value is refused even where it is not read
             make_selector(self.selector, **self.selector_kwargs)

@@ -70,7 +70,11 @@ class AdaKVPress(PiKVPress, kvpress.AdaKVPress):
 
     def validate(self) -> None:
         super().validate()
-        kvpress.AdaKVPress.__post_init__(self)  # kvpress's checks of press and alpha_safeguard
+        a = self.alpha_safeguard
+        if not isinstance(a, (int, float)) or isinstance(a, bool) or not 0 <= a <= 1:
+            raise ValueError(f"alpha_safeguard must be a number in [0, 1], got {a!r}")
+        if not isinstance(self.press, kvpress.ScorerPress):
+            raise TypeError(f"press must be a kvpress ScorerPress (it scores tokens), got {type(self.press).__name__}")
         check_offload(self.offload)
 
     @property

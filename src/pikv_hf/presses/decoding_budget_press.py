@@ -53,6 +53,7 @@ class DecodingBudgetPress(PiKVPress, DecodingPress):
         super().validate()
         check_int_at_least("target_size", self.target_size, 1)
         check_int_at_least("compression_interval", self.compression_interval, 1)
+        check_int_at_least("hidden_states_buffer_size", self.hidden_states_buffer_size, 0)
         n_sink = getattr(self.base_press, "n_sink", 0)
         if self.target_size <= n_sink:
             raise ValueError(

@@ -148,6 +148,8 @@ class DuoAttentionPress(PiKVPress, BasePress):
         super().validate()
         check_int_at_least("n_sink", self.n_sink, 0)
         check_offload(self.offload)
+        if isinstance(self.heads, (str, Path)) and not Path(self.heads).is_file():
+            raise ValueError(f"heads must be a file written by save_heads, got {str(self.heads)!r} (no such file)")
 
     def post_init_from_model(self, model: nn.Module) -> None:
         if self._scores is None:
