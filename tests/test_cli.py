@@ -16,6 +16,13 @@ def test_tiny_demo_runs_and_reports_exactness(capsys):
     assert "tokens per shard per layer" in out and "KV bytes: DynamicCache" in out
 
 
+def test_tiny_demo_of_a_dense_arch_places_tokens_by_key_cluster(capsys):
+    """The default router of the tiny demo, expert, needs experts: a dense arch gets key_cluster (it raised)."""
+    assert main(["demo", "--tiny", "--arch", "llama", "--prompt-len", "24", "--new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "router=key_cluster" in out and "identical output (model.generate): True" in out
+
+
 def test_demo_rejects_unknown_arch(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--tiny", "--arch", "gpt5"])
@@ -34,6 +41,9 @@ def test_demo_rejects_unknown_arch(capsys):
         (["--tiny", "--prompt-len", "4090", "--new-tokens", "8"],
          "prompt_len + new_tokens must be at most 4096 (the tiny model's positions), got 4090 + 8"),
         (["--tiny", "--moe"], "--moe: an option of the real-model demo (SmolLM2 upcycled); --tiny takes --arch"),
+        (["--tiny", "--arch", "llama", "--router", "expert"],
+         "--router expert: the tiny llama model has no experts (key_cluster places tokens by key similarity)"),
+        (["--tiny", "--seed", str(2**70)], f"seed must be an integer in [0, 2**63), got {2**70}"),
     ],
 )
 def test_demo_bad_values_are_one_error_line(capsys, args, message):
@@ -159,7 +169,8 @@ def test_demo_help_shows_defaults(capsys):
         main(["demo", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     for shown in ("document length in tokens (default: 3000)", "(default: quest)", "(default: 0.5)",
-                  "tiny: placement router (default: expert)", "tiny: prompt tokens (default: 256)"):  # fmt: skip
+                  "tiny: placement router (default: expert; dense arch: key_cluster)",
+                  "tiny: prompt tokens (default: 256)"):  # fmt: skip
         assert shown in help_text
     assert "default: None" not in help_text
 

@@ -230,6 +230,14 @@ def _points(rows):
         (["--suite", "ruler", "--cache", "paged"], "cache must be one of"),
         (["--suite", "ruler", "--samples", "0"], "samples must be >= 1"),
         (["--suite", "ruler", "--tasks", "nope"], "unknown RULER task 'nope'"),
+        (["--suite", "ruler", "--tasks", ""], "unknown RULER task ''"),
+        (["--suite", "ruler", "--model", ""], "model must be one of .* got ''"),
+        (["--suite", "ruler", "--model", str(FIXTURES)], "has no readable config.json"),
+        (["--suite", "ruler", "--model", str(FIXTURES / "longbench")], "holds no weights"),
+        (["--suite", "ruler", "--seed", str(2**64)], r"seed must be an integer in \[0, 2\*\*63\)"),
+        (["--suite", "ruler", "--cache", "pikv", "--num-shards", "40000"], "num_shards must be at most 32767"),
+        (["--suite", "ruler", "--press", "quant@bits=4,bits=2"], "bits is set twice"),
+        (["--suite", "ruler", "--press", "quantized_cache@q_group_size=0"], "q_group_size must be an integer >= 1"),
         (
             ["--suite", "longbench", "--longbench-dir", str(FIXTURES / "longbench_broken"), "--tasks", "hotpotqa"],
             r"missing field\(s\) \['answers'\]",
@@ -363,3 +371,41 @@ def test_a_last_row_that_lost_its_newline_is_kept_and_the_next_row_starts_a_line
     with path.open("a", encoding="utf-8") as handle:
         append_row(handle, {"key": "c"})
     assert [r["key"] for r in read_predictions(path)] == ["a", "b", "c"]
+
+
+def test_a_damaged_row_before_the_last_is_refused_and_nothing_is_cut(tmp_path):
+    """Only a torn last line is dropped: a damaged line followed by results raises naming the file and line, and the
+    file keeps every byte (it was cut at the damaged line, deleting the valid rows after it)."""
+    import json
+
+    from pikv_hf.eval.results import read_predictions
+
+    path = tmp_path / "predictions.jsonl"
+    text = json.dumps({"key": "a"}) + "\n" + '{"key": "b", "pred' + "\n" + json.dumps({"key": "c"}) + "\n"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="line 2 of .*predictions.jsonl is damaged"):
+        read_predictions(path)
+    assert path.read_text() == text
+    path.write_text(json.dumps({"key": "a"}) + "\n" + json.dumps([1, 2]) + "\n")
+    with pytest.raises(ValueError, match="line 2 of .* is no result row"):
+        read_predictions(path)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda out: (out / "metrics.json").write_text("{bad"), "metrics.json is not a readable JSON file"),
+        (lambda out: (out / "metrics.json").write_text("[1]"), "metrics.json holds list, not a JSON object"),
+        (lambda out: (out / "run_config.json").write_text("{bad"), "run_config.json is not a readable JSON file"),
+        (lambda out: (out / "predictions.jsonl").write_text('{"no_key": 1}\n'), "is no result row"),
+        (lambda out: out.rmdir() or out.write_text("a file"), "out: cannot create the directory"),
+    ],
+)
+def test_an_out_directory_with_damaged_files_is_one_error_line(tmp_path, capsys, damage, message):
+    out = tmp_path / "run"
+    out.mkdir()
+    damage(out)
+    assert cli_main(["eval", "--suite", "ruler", "--tasks", "niah_single_number", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pikv-hf eval: error: out: ") and message in err[0]
+

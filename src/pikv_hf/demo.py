@@ -158,11 +158,20 @@ def check_demo_args(args: argparse.Namespace) -> None:
             "tokens with key_cluster"
         )
     if args.tiny:
+        from pikv_hf.routing.expert import num_experts_of
+        from pikv_hf.tiny import tiny_config
+
+        moe = num_experts_of(tiny_config(args.arch or TINY_DEFAULTS["arch"])) is not None
+        if args.router == "expert" and not moe:
+            raise CommandLineError(f"--router expert: the tiny {args.arch} model has no experts (key_cluster places "
+                                   "tokens by key similarity)")  # fmt: skip
         for name, value in TINY_DEFAULTS.items():
             if getattr(args, name) is None:
-                setattr(args, name, value)
+                setattr(args, name, value if name != "router" or moe else "key_cluster")
     try:
         check_int_at_least("context", args.context, MIN_CONTEXT)
+        if not isinstance(args.seed, int) or not 0 <= args.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {args.seed!r}")
         check_int_at_least("sample", args.sample, 0)
         check_ratio("ratio", args.ratio)
         if args.tiny:
@@ -186,7 +195,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         return run_tiny_demo(args)
     from pikv_hf.eval.generation import PromptBuilder
-    from pikv_hf.eval.haystack import Haystack
+    from pikv_hf.eval.haystack import Haystack, LengthError
     from pikv_hf.eval.ruler import MAX_NEW_TOKENS, generate_sample
     from pikv_hf.models import load_named_model
     from pikv_hf.presses import QuantPress
@@ -197,7 +206,10 @@ def run_demo(args: argparse.Namespace) -> int:
     model.to(device)
     builder = PromptBuilder(tokenizer)
     task = "niah_single_number"
-    sample = generate_sample(task, args.sample, args.context, args.seed, Haystack(builder.count), builder.reserve())
+    try:
+        sample = generate_sample(task, args.sample, args.context, args.seed, Haystack(builder.count), builder.reserve())
+    except LengthError as err:  # the corpus's length is known once the tokenizer counts it
+        raise CommandLineError(str(err)) from err
     prompt = tuple(ids.to(device) for ids in builder.build(sample.context, sample.question, sample.answer_prefix))
     planted = sample.answers[0]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
@@ -284,7 +296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tiny.add_argument("--tiny", action="store_true", help="the embedded tiny random model instead (no weights)")
     d = TINY_DEFAULTS
     tiny.add_argument("--arch", choices=list(TINY_ARCHS), help=f"tiny architecture to build (default: {d['arch']})")
-    tiny.add_argument("--router", choices=PLACEMENTS, help=f"tiny: placement router (default: {d['router']})")
+    tiny.add_argument(
+        "--router", choices=PLACEMENTS, help=f"tiny: placement router (default: {d['router']}; dense arch: key_cluster)"
+    )
     tiny.add_argument("--prompt-len", type=int, help=f"tiny: prompt tokens (default: {d['prompt_len']})")
     tiny.add_argument("--new-tokens", type=int, help=f"tiny: greedy new tokens (default: {d['new_tokens']})")
     parser.add_argument("--seed", type=int, default=0)

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from pikv_hf.eval.results import prepare_out
     from pikv_hf.eval.runner import run_eval
 
-    tasks = args.tasks or ("needle" if args.suite == "ruler" else "all")
+    tasks = ("needle" if args.suite == "ruler" else "all") if args.tasks is None else args.tasks
     try:
         config = EvalConfig(
             suite=args.suite,
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         )
         inputs = resolve_inputs(config)
         prepare_out(config)  # an --out of another configuration's results is refused here, as a bad argument
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError, OSError) as err:  # OSError: data files that cannot be read
         raise CommandLineError(str(err)) from err
     try:
         metrics = run_eval(config, progress=not args.no_progress, inputs=inputs)

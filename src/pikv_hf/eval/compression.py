@@ -57,6 +57,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq or not key:
             raise ValueError(f"press spec {spec!r}: settings must be key=value pairs separated by commas")
+        if key in kwargs:
+            raise ValueError(f"press spec {spec!r}: {key} is set twice")
         kwargs[key] = _value(value)
     return name, kwargs
 
@@ -75,6 +77,10 @@ def build(spec: str):
             raise ValueError(f"press spec {spec!r}: {QUANTIZED_CACHE} takes {sorted(QUANTIZED_CACHE_DEFAULTS)}")
         if kwargs.get("nbits", 4) not in (2, 4):
             raise ValueError(f"press spec {spec!r}: nbits must be 2 or 4 (quanto backend)")
+        for key in ("q_group_size", "residual_length"):
+            value, low = kwargs.get(key, QUANTIZED_CACHE_DEFAULTS[key]), 1 if key == "q_group_size" else 0
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"press spec {spec!r}: {key} must be an integer >= {low}, got {value!r}")
         return None
     if name not in COMPRESSORS:
         raise ValueError(f"press spec {spec!r}: the name must be one of {COMPRESSORS + (QUANTIZED_CACHE,)}")

@@ -11,6 +11,7 @@ from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
 from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX, sparse_read
 from pikv_hf.models.named import MODEL_NAMES
+from pikv_hf.store.paged import check_num_shards
 
 CACHES = ("dynamic", "pikv")
 ROUTERS = ("round_robin", "expert", "key_cluster")
@@ -92,10 +93,10 @@ class EvalConfig:
         """Check every field; raises ``ValueError`` naming the parameter and the expected values."""
         if self.suite not in SUITES:
             raise ValueError(f"suite must be one of {SUITES}, got {self.suite!r}")
-        if self.model not in MODEL_NAMES and not Path(self.model).is_dir():
-            raise ValueError(
-                f"model must be one of {MODEL_NAMES} or an existing save_pretrained directory, got {self.model!r}"
-            )
+        if not isinstance(self.out, str) or not self.out.strip():
+            raise ValueError(f"out must name an output directory, got {self.out!r}")
+        if self.model not in MODEL_NAMES:
+            self.model_config()  # a save_pretrained directory with a readable config.json and weights
         if self.cache not in CACHES:
             raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
         if self.router not in ROUTERS:
@@ -131,9 +132,12 @@ class EvalConfig:
             if not 0.0 <= ratio < 1.0:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
         if self.num_shards is not None:
-            check_int_at_least("num_shards", self.num_shards, 1)
+            check_num_shards(self.num_shards)
+        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         check_int_at_least("page_size", self.page_size, 1)
-        self.read.validated(None, None)  # also for runs that never build a sparse point (dynamic cache, ...)
+        layers = None if self.model in MODEL_NAMES else self.model_config().num_hidden_layers
+        self.read.validated(None, layers)  # also for runs that never build a sparse point (dynamic cache, ...)
         if self.cache == "pikv":
             shards = self.shards()
             for press, ratio in self.points():
@@ -152,15 +156,30 @@ class EvalConfig:
         check_int_at_least("perplexity_context", self.perplexity_context, 0)
         check_int_at_least("perplexity_tokens", self.perplexity_tokens, 2)
 
+    def model_config(self):
+        """The text config of a ``PATH`` model (its ``config.json``); ``ValueError`` naming ``model`` unless the
+        directory holds a config transformers reads and weights."""
+        from transformers import AutoConfig
+
+        path, expected = Path(self.model), f"one of {MODEL_NAMES} or a save_pretrained directory"
+        if not self.model or not path.is_dir():
+            raise ValueError(f"model must be {expected}, got {self.model!r}")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise ValueError(f"model must be {expected}: {self.model!r} holds no weights (*.safetensors, *.bin)")
+        try:
+            return AutoConfig.from_pretrained(path).get_text_config()
+        except (OSError, ValueError, KeyError) as err:
+            reason = " ".join(str(err).split())[:300]
+            message = f"model must be {expected}: {self.model!r} has no readable config.json ({reason})"
+            raise ValueError(message) from None
+
     def is_moe(self) -> bool:
         """Whether the model routes tokens to experts (for a ``PATH`` model: its ``config.json``, read here)."""
         if self.model in MODEL_NAMES:
             return self.model == "smollm2-moe"
-        from transformers import AutoConfig
-
         from pikv_hf.routing.expert import num_experts_of
 
-        return num_experts_of(AutoConfig.from_pretrained(self.model).get_text_config()) is not None
+        return num_experts_of(self.model_config()) is not None
 
     def shards(self) -> int | None:
         """PiKVCache's shard count for the named models (None for a ``PATH`` model without ``num_shards``)."""

@@ -230,14 +230,17 @@ def load_dataset_rows(name: str, local_dir: str | None = None) -> list[dict]:
         if not path.is_file():
             raise FileNotFoundError(f"longbench_dir: {path} not found (expected one {{dataset}}.jsonl per dataset)")
         rows = []
-        with path.open(encoding="utf-8") as handle:
-            for lineno, line in enumerate(handle, 1):
-                if line.strip():
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{lineno}: invalid JSON ({err})") from err
-                    rows.append(validate_row(row, f"{path}:{lineno}"))
+        try:
+            lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit in a string
+        except UnicodeDecodeError as err:
+            raise ValueError(f"longbench_dir: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        for lineno, line in enumerate(lines, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({err})") from err
+                rows.append(validate_row(row, f"{path}:{lineno}"))
         if not rows:
             raise ValueError(f"longbench_dir: {path} holds no rows")
         return rows

@@ -27,21 +27,28 @@ def append_row(handle, row: dict) -> None:
     os.fsync(handle.fileno())
 
 
-def read_predictions(path: Path) -> list[dict]:
+def read_predictions(path: Path, field: str = "key") -> list[dict]:
     """Rows of ``predictions.jsonl``; a torn last line (interrupted write) is dropped from the file, and a whole last
     row that lost only its newline gets it back (the next row appended would otherwise share its line, and a later
-    read drop both and every row after them)."""
+    read drop both and every row after them). A damaged line before the last, or a row that is no object with
+    ``field``, raises ``ValueError`` naming the file and line (nothing is cut: the rows after it are results)."""
     if not path.is_file():
         return []
     rows, good_bytes, ended = [], 0, True
     with path.open("rb") as handle:
-        for raw in handle:
-            try:
-                rows.append(json.loads(raw))
-            except json.JSONDecodeError:
-                break
-            good_bytes += len(raw)
-            ended = raw.endswith(b"\n")
+        lines = handle.readlines()
+    for number, raw in enumerate(lines, 1):
+        try:
+            row = json.loads(raw)
+        except ValueError as err:  # not JSON, or not UTF-8
+            if number < len(lines):
+                raise ValueError(f"out: line {number} of {path} is damaged ({err}); repair or move the file") from None
+            break
+        if not isinstance(row, dict) or field not in row:
+            raise ValueError(f"out: line {number} of {path} is no result row (a JSON object with {field!r})")
+        rows.append(row)
+        good_bytes += len(raw)
+        ended = raw.endswith(b"\n")
     if good_bytes != path.stat().st_size:
         with path.open("r+b") as handle:
             handle.truncate(good_bytes)
@@ -51,29 +58,46 @@ def read_predictions(path: Path) -> list[dict]:
     return rows
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object stored at ``path`` (a file of the output directory), ``ValueError`` naming it otherwise."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"out: {path} is not a readable JSON file ({err}); repair or move it") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"out: {path} holds {type(value).__name__}, not a JSON object; repair or move it")
+    return value
+
+
 def row_key(press: str, ratio: float, length: int, task: str, index: int) -> str:
     """Identity of one prediction inside an output directory."""
     return f"{press}|{ratio:g}|{length}|{task}|{index}"
 
 
 def prepare_out(config: EvalConfig) -> Path:
-    """The output directory, refused when it holds results (predictions or metrics) of another configuration; the
-    run's configuration fingerprint is (re)written when the directory holds no results yet (a run that failed before
-    its first answer leaves nothing that binds the directory)."""
+    """The output directory, refused when it holds results (predictions or metrics) of another configuration, or
+    damaged files a resumed run would read (``ValueError`` naming the file); the run's configuration fingerprint is
+    (re)written when the directory holds no results yet (a run that failed before its first answer leaves nothing
+    that binds the directory)."""
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"out: cannot create the directory {out} ({err.strerror})") from None
     stored = out / RUN_CONFIG
     fingerprint = config.fingerprint()
-    previous = json.loads(stored.read_text()) if stored.is_file() else None
-    if previous == fingerprint:
-        return out
+    previous = read_json(stored) if stored.exists() else None
     holds_results = any((out / name).is_file() and (out / name).stat().st_size for name in (PREDICTIONS, METRICS))
-    if previous is not None and holds_results:
+    if previous not in (None, fingerprint) and holds_results:
         raise ValueError(
             f"out: {out} holds results of another configuration {previous}; this run is {fingerprint}. "
             "Use another --out directory."
         )
-    stored.write_text(json.dumps(fingerprint, indent=2) + "\n")
+    if (out / METRICS).exists():
+        read_json(out / METRICS)  # read again at the end of a resumed run
+    read_predictions(out / PREDICTIONS)
+    if previous != fingerprint:
+        stored.write_text(json.dumps(fingerprint, indent=2) + "\n")
     return out
 
 

@@ -51,6 +51,7 @@ from pikv_hf.eval.results import (
     append_row,
     git_commit,
     prepare_out,
+    read_json,
     read_predictions,
     row_key,
     versions,
@@ -82,7 +83,7 @@ def _perplexity_rows(config: EvalConfig, points, path: Path, model_and_tokenizer
     context, scored = config.perplexity_context, config.perplexity_tokens - 1  # the first target is not scored
     done = {
         (r["press"], r["ratio"]): r
-        for r in read_predictions(path)
+        for r in read_predictions(path, field="press")
         if r["context_tokens"] == context and r["tokens"] == scored
     }
     pending = [(p, r) for p, r in points if (p, r) not in done]
@@ -168,7 +169,7 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
     hf_logging.disable_progress_bar()
     _warn_once(logging.getLogger("kvpress.presses.base_press"))
     previous = out / METRICS
-    model_info: dict[str, Any] = json.loads(previous.read_text()).get("model_info", {}) if previous.is_file() else {}
+    model_info: dict[str, Any] = read_json(previous).get("model_info", {}) if previous.is_file() else {}
     loaded: list = []
 
     def model_and_tokenizer():
