@@ -10,6 +10,8 @@ exact cache, with DynamicCache.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import prompt
@@ -18,6 +20,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, DynamicCache, GenerationConfig
 
 from pikv_hf import PiKVCache
+from pikv_hf.presses import DecodingBudgetPress, QuantPress, QuestPress, StreamingLLMPress
 from pikv_hf.tiny import tiny_model
 
 NEW_TOKENS = 5
@@ -78,3 +81,48 @@ def test_generate_compiles_the_pikv_decode_step_by_itself(read):
         stats = cache.routing_stats()["overall"]
         assert stats["sparse_layer_steps"] == (NEW_TOKENS - 1) * len(cache.layers)
         assert stats["fraction_tokens_attended"] < 1.0
+
+
+def _compiled_generate(model, cache, presses, calls: list[int], **common) -> torch.Tensor:
+    compile_config = CompileConfig(backend=counting_backend(calls), fullgraph=True, mode=None)
+    compile_config._compile_all_devices = True
+    dynamo.reset()
+    with contextlib.ExitStack() as stack:
+        for press in presses:
+            stack.enter_context(press(model))
+        return generate(model, cache, GenerationConfig(compile_config=compile_config, **common))
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "quest"])
+def test_a_press_held_around_generate_leaves_the_decode_step_compiled(name):
+    """A press that evicts at prefill only (StreamingLLM) or sets the read (Quest) is held around a generate that
+    compiles its decode steps: the steps run the compiled graph and give the eager tokens (the hooks read the step's
+    position or the layer's length, data-dependent branches that broke the graph)."""
+    model = tiny_model("llama", seed=0)
+    common = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    make = {"streaming_llm": lambda: StreamingLLMPress(0.5, n_sink=2), "quest": lambda: QuestPress(0.5)}[name]
+    with make()(model):
+        eager = generate(model, PiKVCache(model, max_cache_len=64), GenerationConfig(disable_compile=True, **common))
+    calls: list[int] = []
+    cache = PiKVCache(model, max_cache_len=64)
+    got = _compiled_generate(model, cache, [make()], calls, **common)
+    assert len(calls) == NEW_TOKENS - 1 and torch.equal(got, eager)
+    held = int(cache.layers[0].held().max())  # half of the 24-token prompt kept, or all of it read by pages
+    assert held == (12 if name == "streaming_llm" else 24) + NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize(
+    ("press", "message"),
+    [
+        (lambda: QuantPress(bits=4, group_size=8, window=8), "QuantPress moves tokens into its compressed tier while"),
+        (lambda: DecodingBudgetPress(StreamingLLMPress(n_sink=2), target_size=16), "DecodingBudgetPress evicts"),
+    ],
+)
+def test_a_press_that_acts_while_decoding_refuses_a_compiled_decode_step(press, message):
+    """What such a press does at a decode step changes the cache's shapes by data; inside a compiled step it raises
+    its own ValueError, which names the way out (Dynamo reports it as the exception the step raised)."""
+    model = tiny_model("llama", seed=0)
+    common = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with pytest.raises(Exception, match=message) as info:  # noqa: PT011 (Dynamo wraps the press's ValueError)
+        _compiled_generate(model, PiKVCache(model, max_cache_len=64), [press()], [], **common)
+    assert "disable_compile=True" in str(info.value)

@@ -172,11 +172,30 @@ def evict_lowest(
     drop_or_offload(layer, view, keep_mask(view, scores, n_kept, shard_budget), offload)
 
 
+def prefilling(kwargs: dict) -> bool:
+    """kvpress's ``is_prefilling`` for the arguments of a press hook; a one-token forward being traced (a compiled
+    decode step, e.g. ``generate``'s on CUDA) is a decode step without reading its position (data there: reading it
+    broke the graph)."""
+    q = kwargs["hidden_states"].shape[1]
+    if q == 1 and torch.compiler.is_compiling():
+        return False
+    return is_prefilling(kwargs["cache_position"], q)
+
+
+def refuse_compiled_decode(press: object, what: str) -> None:
+    """Raise ``ValueError`` naming ``press`` inside a traced forward: ``what`` it does while decoding changes the
+    cache's shapes by data, which a compiled step cannot."""
+    if torch.compiler.is_compiling():
+        raise ValueError(
+            f"{type(press).__name__} {what} while decoding, which a compiled decode step cannot do: run the prefill "
+            "under the press and decode with it off, or generate(..., disable_compile=True) with it on"
+        )
+
+
 def prefill_layer(module: nn.Module, kwargs: dict, compression_ratio: float) -> PiKVLayer | None:
     """The PiKVCache layer a press hook compresses in this call: None unless the call prefills (several new tokens)
     and ``compression_ratio`` is above 0."""
-    hidden_states = kwargs["hidden_states"]
-    if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]) or compression_ratio == 0:
+    if not prefilling(kwargs) or compression_ratio == 0:
         return None
     layer = kwargs["past_key_values"].layers[module.layer_idx]
     if layer.tiers:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from kvpress.presses.base_press import BasePress, is_prefilling
+from kvpress.presses.base_press import BasePress
 from kvpress.presses.decoding_press import DecodingPress
 from kvpress.presses.prefill_decoding_press import PrefillDecodingPress
 from torch import nn
@@ -34,7 +34,7 @@ from pikv_hf.cache import PiKVCache
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.codecs.base import Codec, PageBatch
 from pikv_hf.layer import PiKVLayer
-from pikv_hf.presses.base import PiKVPress
+from pikv_hf.presses.base import PiKVPress, prefilling, refuse_compiled_decode
 from pikv_hf.view import dense_view
 
 TIER = "compressed"
@@ -180,13 +180,15 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs["past_key_values"]
         if not isinstance(cache, PiKVCache):  # kvpress's PrefillDecodingPress hook would look for inner presses
-            prefilling = is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1])
-            self.simulate(cache.layers[module.layer_idx], module.layer_idx, prefilling)
+            self.simulate(cache.layers[module.layer_idx], module.layer_idx, prefilling(kwargs))
             return output
         return super().forward_hook(module, input, kwargs, output)
 
     def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
-        self.compress_layer(layer, is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]))
+        prefill = prefilling(kwargs)
+        if not prefill:
+            refuse_compiled_decode(self, "moves tokens into its compressed tier")
+        self.compress_layer(layer, prefill)
 
     def compress(self, module, hidden_states, keys, values, attentions, kwargs):
         """kvpress's ``compress``: the keys and values with every whole page between the sinks and the window

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvpress.presses.base_press import is_prefilling
 from kvpress.presses.decoding_press import DecodingPress
 from torch import nn
 
 from pikv_hf.checks import check_int_at_least
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.adakv_press import AdaKVPress
-from pikv_hf.presses.base import PiKVPress, PiKVScorerPress, drop_or_offload
+from pikv_hf.presses.base import PiKVPress, PiKVScorerPress, drop_or_offload, prefilling, refuse_compiled_decode
 
 
 @dataclass
@@ -76,8 +75,9 @@ class DecodingBudgetPress(PiKVPress, DecodingPress):
             )
 
     def press_layer(self, module: nn.Module, layer: PiKVLayer, kwargs: dict, output: list) -> None:
-        if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+        if prefilling(kwargs):
             return
+        refuse_compiled_decode(self, "evicts tokens")
         per_head = layer.held()  # [B, H]
         if getattr(self.base_press, "budget_per_row", False):  # AdaKV: a row's heads share heads * target_size
             over = int(per_head.sum(-1).max()) - per_head.shape[1] * self.target_size

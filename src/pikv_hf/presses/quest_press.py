@@ -111,8 +111,9 @@ class QuestPress(DecodingPress):
     def forward_hook(self, module: nn.Module, input: list[torch.Tensor], kwargs: dict, output: list):
         cache = kwargs["past_key_values"]
         if isinstance(cache, PiKVCache):
-            if kwargs["hidden_states"].shape[1] == 1 and self.compression_ratio and not self._warned:
-                self._warn_if_dense(cache.layers[module.layer_idx])
+            decoding = kwargs["hidden_states"].shape[1] == 1
+            if decoding and self.compression_ratio and not self._warned and not torch.compiler.is_compiling():
+                self._warn_if_dense(cache.layers[module.layer_idx])  # reads lengths: eager steps only
             return output
         real = self._real_keys.pop(module.layer_idx, None)
         if real is not None:  # the step is over: the real keys go back, followed by the step's new ones
