@@ -177,15 +177,23 @@ def test_demo_help_shows_defaults(capsys):
 
 def test_eval_length_a_task_cannot_be_built_at_is_one_error_line(tmp_path, capsys):
     """Found once the tokenizer counts the prompt (after the model loads), before any answer is written: a length
-    beyond the essay corpus once ran with prompts that stopped growing, one too short gave a traceback."""
+    beyond the essay corpus once ran with prompts that stopped growing, one too short gave a traceback; so did a
+    compressor setting the model refuses and a perplexity context beyond the held-out text."""
     from fixtures.tiny_assets import save_tiny_model_dir
 
     (tmp_path / "tiny").mkdir()
     model_dir = str(save_tiny_model_dir(tmp_path / "tiny"))
     capsys.readouterr()  # the fixture's own progress output
-    for length, message in (("10000000", "the essay corpus holds"), ("64", "length=64 is too short")):
-        out = tmp_path / f"run{length}"
-        assert main(_tiny_eval(model_dir, out, "--length", length)) == 2
+    cases = (
+        (["--length", "10000000"], "the essay corpus holds"),
+        (["--length", "64"], "length=64 is too short"),
+        # settings the loaded model refuses: they ran the points before them, then a traceback
+        (["--press", "none", "fastv_crop@channels=1000"], "channels must be an integer in [1, head_dim = 16]"),
+        (["--perplexity-context", "10000000"], "perplexity: the held-out text holds"),
+    )
+    for i, (extra, message) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        assert main(_tiny_eval(model_dir, out, *extra)) == 2
         err = capsys.readouterr().err
         assert err.startswith("pikv-hf eval: error: ") and message in err and err.count("\n") == 1
         assert not (out / "predictions.jsonl").exists()

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         another configuration's results raise :class:`pikv_hf.checks.CommandLineError` before anything is written.
     """
     from pikv_hf.checks import CommandLineError
+    from pikv_hf.eval.compression import PressModelError
     from pikv_hf.eval.config import EvalConfig, resolve_inputs
     from pikv_hf.eval.haystack import LengthError
     from pikv_hf.eval.results import prepare_out
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandLineError(str(err)) from err
     try:
         metrics = run_eval(config, progress=not args.no_progress, inputs=inputs)
-    except LengthError as err:  # found once the tokenizer counts the prompts, before any answer is written
+    except (LengthError, PressModelError) as err:  # found once the model and tokenizer load, before any answer
         raise CommandLineError(str(err)) from err
     for point in metrics["per_point"]:
         print(json.dumps(point))

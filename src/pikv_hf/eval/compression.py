@@ -90,6 +90,25 @@ def build(spec: str):
         raise ValueError(f"press spec {spec!r}: {err}") from None
 
 
+class PressModelError(ValueError):
+    """A compressor spec the loaded model refuses (a rank or channel count beyond its head dim, a projection not
+    fitted for it), found once the model is loaded, before any answer."""
+
+
+def check_on_model(specs: list[str], model) -> None:
+    """Enter each compressor press of ``specs`` on ``model`` once (its model checks, its fitted projections loaded),
+    raising :class:`PressModelError` naming the spec."""
+    for spec in specs:
+        press = build(spec) if is_compression(spec) else None
+        if press is None:
+            continue
+        try:
+            with press(model):
+                pass
+        except (ValueError, OSError) as err:
+            raise PressModelError(f"press spec {spec!r}: {err}") from err
+
+
 def quantized_cache(spec: str, model, layers) -> object:
     """A quanto ``QuantizedCache`` holding ``layers`` (``(keys, values)`` ``[B, H, T, D]`` per layer)."""
     from transformers import QuantizedCache
@@ -151,7 +170,9 @@ def held_out_ids(tokenizer, tokens: int) -> torch.Tensor:
     text = text[-8 * tokens :].split(" ", 1)[-1]  # whole words; > 8 characters per token is rare
     ids = tokenizer(text, return_tensors="pt").input_ids[:, -tokens:]
     if ids.shape[1] < tokens:
-        raise ValueError(f"perplexity: the held-out text holds {ids.shape[1]} tokens, asked for {tokens}")
+        from pikv_hf.eval.haystack import LengthError
+
+        raise LengthError(f"perplexity: the held-out text holds {ids.shape[1]} tokens, asked for {tokens}")
     return ids
 
 

@@ -188,6 +188,9 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
             haystack = Haystack(builder.count)
             for task, length in sorted({(t, n) for _, n, t in pending}):  # a length a task cannot be built at is
                 generate_sample(task, 0, length, config.seed, haystack, builder.reserve())  # refused before any answer
+        compression.check_on_model([press for press, _ in points], model)  # before any answer, as the lengths
+        if config.perplexity_context:
+            compression.held_out_ids(tokenizer, config.perplexity_context + config.perplexity_tokens)
         heads = _duo_heads(config, model, tokenizer, out)
         # shown unless progress is off; then tqdm's own settings apply (TQDM_DISABLE=1 hides it too)
         hide = {} if progress else {"disable": True}
