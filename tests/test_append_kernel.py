@@ -126,6 +126,23 @@ def test_kernel_matches_reference(placed, padded, saturate, write_kv, summary, d
             assert torch.equal(ref["page_min"][pages], torch.minimum(before["page_min"], kb.amin(1))[pages])
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() or interpreted(append._append_one_kernel)), reason="no Triton")
+def test_kernel_reads_an_expanded_shard_view_as_its_values():
+    """The expert placement hands ``[B, H]`` shards as a view of one expert per row (stride 0 over heads): the kernel
+    read element ``b * H + h`` of the row buffer (another row's expert, or memory past it: out-of-bounds page
+    writes on CUDA for every decode step of ``router="expert"``)."""
+    shard = torch.tensor([1, 3]).view(B, 1).expand(B, H)
+    row_start = torch.tensor([[0, 9], [5, 9]])[:, 0]  # a strided [B] view
+    ref, got = _state(3), {k: None if t is None else t.to(DEVICE) for k, t in _state(3).items()}
+    key, value = torch.randn(B, H, D), torch.randn(B, H, D + 2)
+    want = _call(append_one_reference, ref, shard, row_start, 7, None, key, value, True)
+    slot = _call(append_one_kernel, got, shard.to(DEVICE), row_start.to(DEVICE), 7, None, key.to(DEVICE),
+                 value.to(DEVICE), True)  # fmt: skip
+    assert torch.equal(slot.cpu(), want)
+    for name in ("count", "open_page", "open_fill", "page_shard", "key_pool", "pos_pool", "valid_pool"):
+        assert torch.equal(got[name].cpu(), ref[name]), name
+
+
 def _stores(num_shards: int, page_size: int) -> tuple[PagedStore, PagedStore]:
     return tuple(
         PagedStore(B, H, D, D, num_shards, page_size, torch.float32, torch.device("cpu")) for _ in range(2)

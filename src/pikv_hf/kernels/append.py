@@ -199,7 +199,10 @@ def append_one_kernel(
     ring_slots=None, ring_pos=None, n_sink=0, window=0,
 ):  # fmt: skip
     """The Triton kernel with the arguments of :func:`append_one_reference` (shapes are the caller's: the operator's
-    wrapper checks them)."""
+    wrapper checks them). The kernel indexes ``shard`` as a contiguous ``[B, H]`` (the expert placement hands an
+    expanded view: its heads share a row's element) and ``row_start`` as a contiguous ``[B]``."""
+    shard = None if shard is None else shard.contiguous()
+    row_start = None if row_start is None else row_start.contiguous()
     b, h, n_shards = open_page.shape
     p = pos_pool.shape[1]
     dk, dv = key.shape[-1], value.shape[-1]
