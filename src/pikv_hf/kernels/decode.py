@@ -879,8 +879,8 @@ def decode_attention_reference(
     """
     ok, pos_s = _reference_slots(pos, valid, pages, qpos, page_full, n_sink, window, row_start, lengths)
     b, h, c = ok.shape
-    k = gather_pages_reference(keys, pages).view(b, h, c, -1).float()
-    v = gather_pages_reference(values, pages).view(b, h, c, -1).float()
+    k = gather_pages_reference(keys, pages).view(b, h, c, keys.shape[-1]).float()  # c may be 0: no -1
+    v = gather_pages_reference(values, pages).view(b, h, c, values.shape[-1]).float()
     o, lse, _ = masked_attention(query.float(), k, v, ok, pos_s, qpos, scale, sliding_window, sinks)
     return o, lse
 
