@@ -37,6 +37,17 @@ CONFIG = dict(
 )
 
 
+def positive(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (a count, size or length), else the option's one error line."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def read_bandwidth_gbs(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Best-of-``repeats`` read bandwidth of a large fp32 reduction, in GB/s."""
     x = torch.ones(n_bytes // 4)
@@ -124,9 +135,9 @@ def run_cache(model, ids: torch.Tensor, make_cache, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--contexts", type=positive, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--steps", type=positive, default=16, help="decode steps timed per context")
+    parser.add_argument("--threads", type=positive, default=torch.get_num_threads())
     parser.add_argument("--router", default="round_robin")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cache_exact_cpu.json"))
     args = parser.parse_args()

@@ -30,7 +30,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_cache import CONFIG, matmul_gflops, median_ms, read_bandwidth_gbs, run_metadata, write_result
+from bench_cache import CONFIG, matmul_gflops, median_ms, positive, read_bandwidth_gbs, run_metadata, write_result
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -134,12 +134,12 @@ def bench_context(model, ref, context: int, args, bandwidth: float, gflops: floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--steps", type=int, default=8, help="whole-model decode steps timed")
-    parser.add_argument("--repeats", type=int, default=10, help="single-layer attention repeats timed")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--contexts", type=positive, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--steps", type=positive, default=8, help="whole-model decode steps timed")
+    parser.add_argument("--repeats", type=positive, default=10, help="single-layer attention repeats timed")
+    parser.add_argument("--threads", type=positive, default=torch.get_num_threads())
     parser.add_argument("--router", default="round_robin", help="balanced shards: k/E of the tokens are read")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the PiKVCache store")
+    parser.add_argument("--page-size", type=positive, default=16, help="tokens per page of the PiKVCache store")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_speed_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 
 from pikv_hf import PiKVCache
 from pikv_hf.distributed import ShardPlan, init_process_group
@@ -225,9 +225,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--ranks", type=positive, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--context", type=positive, default=4096)
+    parser.add_argument("--steps", type=positive, default=16)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/distributed_gloo_cpu.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 from transformers import DynamicCache, StaticCache
 
 from pikv_hf import PiKVCache
@@ -373,12 +373,12 @@ def plot(points: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=["smollm2", "smollm2-moe"])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1])
+    parser.add_argument("--contexts", type=positive, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--batches", type=positive, nargs="+", default=[1, 4])
+    parser.add_argument("--threads", type=positive, nargs="+", default=[1])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--steps", type=int, default=24, help="timed decode steps per way (default 24)")
-    parser.add_argument("--rounds", type=int, default=4, help="turns the ways take (default 4)")
+    parser.add_argument("--steps", type=positive, default=24, help="timed decode steps per way (default 24)")
+    parser.add_argument("--rounds", type=positive, default=4, help="turns the ways take (default 4)")
     parser.add_argument("--warmup", type=int, help="untimed decode steps per way first (default 1; --compile 3)")
     parser.add_argument("--compile", action="store_true", help="also every way of --compiled-modes, step compiled")
     parser.add_argument("--compiled-modes", nargs="+", default=COMPILED_MODES, choices=COMPILED_MODES)
@@ -386,7 +386,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny random llama in place of --models (seconds)")
     parser.add_argument("--note", help="a line on how the run was made (e.g. a shared machine), kept in the JSON")
     parser.add_argument("--profile", action="store_true", help="also profile a routed step at --profile-context")
-    parser.add_argument("--profile-context", type=int, default=8192)
+    parser.add_argument("--profile-context", type=positive, default=8192)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_cpu.json"))
     args = parser.parse_args()
     if "dynamic" not in args.modes:

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_cache import positive
 from bench_e2e import MODES, git_revision, kv_bytes
 from torch.profiler import ProfilerActivity, profile
 from transformers import (
@@ -545,20 +546,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, fp32, aot_eager compile (seconds)")
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/gpu_<device>.json; --tiny: a temp)")
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    p.add_argument("--layers", type=int, help="decoder layers of the eager models (default 8; --tiny 2)")
-    p.add_argument("--compile-layers", type=int, help="decoder layers of the compiled section (default 4; --tiny 2)")
-    p.add_argument("--context", type=int, help="prompt tokens per row (default 32768; --tiny 256)")
-    p.add_argument("--batches", type=int, nargs="+", help="eager batch sizes (default 1 8; --tiny 1 2)")
-    p.add_argument("--compile-batches", type=int, nargs="+", help="compiled batch sizes (default 8; --tiny 2)")
+    p.add_argument("--layers", type=positive, help="decoder layers of the eager models (default 8; --tiny 2)")
+    p.add_argument(
+        "--compile-layers", type=positive, help="decoder layers of the compiled section (default 4; --tiny 2)"
+    )
+    p.add_argument("--context", type=positive, help="prompt tokens per row (default 32768; --tiny 256)")
+    p.add_argument("--batches", type=positive, nargs="+", help="eager batch sizes (default 1 8; --tiny 1 2)")
+    p.add_argument("--compile-batches", type=positive, nargs="+", help="compiled batch sizes (default 8; --tiny 2)")
     p.add_argument("--ways", nargs="+", choices=WAYS, default=WAYS, help="eager ways (dynamic is the baseline)")
     p.add_argument("--compiled-ways", nargs="+", choices=COMPILED_WAYS, default=COMPILED_WAYS)
     p.add_argument("--generate-ways", nargs="+", choices=WAYS[1:], default=["exact", "routed_1_8"])
     p.add_argument(
         "--sections", nargs="+", choices=["eager", "compiled", "generate"], default=["eager", "compiled", "generate"]
     )
-    p.add_argument("--steps", type=int, default=5, help="timed decode steps per way (default 5)")
+    p.add_argument("--steps", type=positive, default=5, help="timed decode steps per way (default 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3; compiled >= 3)")
-    p.add_argument("--profile-steps", type=int, default=2, help="profiled decode steps per way (default 2)")
+    p.add_argument("--profile-steps", type=positive, default=2, help="profiled decode steps per way (default 2)")
     p.add_argument("--prefill-chunk", type=int, default=0, help="prefill in chunks of this many tokens (0: one)")
     p.add_argument("--compile-backend", help="torch.compile backend (default inductor; --tiny aot_eager)")
     p.add_argument("--compile-mode", default="reduce-overhead", help="inductor mode (default reduce-overhead)")

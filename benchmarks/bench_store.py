@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import CONFIG, median_ms, run_metadata, write_result
+from bench_cache import CONFIG, median_ms, positive, run_metadata, write_result
 
 from pikv_hf import PiKVCache
 from pikv_hf.tiny import tiny_config
@@ -96,11 +96,11 @@ def evict_half(context: int, shards: int, page_size: int, repeats: int, gen: tor
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--shards", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--context", type=positive, default=4096)
+    parser.add_argument("--shards", type=positive, default=8)
+    parser.add_argument("--page-size", type=positive, default=16)
+    parser.add_argument("--repeats", type=positive, default=9)
+    parser.add_argument("--threads", type=positive, default=1)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/store_ragged_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

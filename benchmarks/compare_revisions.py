@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("dynamic", "exact", "routed")
@@ -50,12 +50,12 @@ def run_tree(tree: Path, args: argparse.Namespace, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="git revision to compare against")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384, 32768])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--contexts", type=positive, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--rounds", type=positive, default=3)
+    parser.add_argument("--steps", type=positive, default=5)
+    parser.add_argument("--repeats", type=positive, default=15)
+    parser.add_argument("--threads", type=positive, default=1)
+    parser.add_argument("--page-size", type=positive, default=16)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_regression_cpu.json"))
     args = parser.parse_args()
     base_rev = subprocess.run(

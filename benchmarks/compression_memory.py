@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 
 from pikv_hf import PiKVCache
 from pikv_hf.eval import compression
@@ -91,8 +91,8 @@ def measure(model, kv, spec: str, num_shards: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096])
-    parser.add_argument("--shards", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--lengths", nargs="+", type=positive, default=[2048, 4096])
+    parser.add_argument("--shards", nargs="+", type=positive, default=[1, 8])
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--out", default="benchmarks/results/compression_memory.json")
     args = parser.parse_args()

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 from transformers import DynamicCache
 
 from pikv_hf import PiKVCache
@@ -62,11 +62,11 @@ def time_steps(model, cache, context: int, steps: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", nargs="+", type=int, default=[4096, 16384])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--contexts", nargs="+", type=positive, default=[4096, 16384])
+    parser.add_argument("--steps", type=positive, default=6)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive, default=1)
     parser.add_argument("--out", default="benchmarks/results/compression_speed_cpu.json")
     args = parser.parse_args()
     from pikv_hf.models import load_smollm2

@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 from bench_e2e import MODES
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -114,8 +114,8 @@ def count_all(model, ids: torch.Tensor, ways: list[str], warmup: int = 2, path: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--context", type=positive, default=2048)
+    parser.add_argument("--layers", type=positive, default=30)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS)
     parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))

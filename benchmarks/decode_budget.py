@@ -16,16 +16,16 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=8192)
-    parser.add_argument("--every", type=int, default=500)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--budget", type=positive, default=1024)
+    parser.add_argument("--steps", type=positive, default=8192)
+    parser.add_argument("--every", type=positive, default=500)
+    parser.add_argument("--page-size", type=positive, default=16)
+    parser.add_argument("--threads", type=positive, default=1)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_budget_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

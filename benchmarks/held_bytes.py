@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 from bench_e2e import MODES
 
 from pikv_hf.memory import reachable_tensors, storage_nbytes
@@ -132,8 +132,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ways", nargs="+", default=WAYS, choices=WAYS)
-    parser.add_argument("--steps", type=int, default=2, help="decode steps after the prefill (default 2)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=positive, default=2, help="decode steps after the prefill (default 2)")
+    parser.add_argument("--threads", type=positive, default=1)
     parser.add_argument("--tiny", action="store_true", help="few layers and tokens (tests/test_bench_held_bytes.py)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/held_bytes_cpu.json"))
     parser.add_argument(

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_cache import median_ms, read_bandwidth_gbs, run_metadata, write_result
+from bench_cache import median_ms, positive, read_bandwidth_gbs, run_metadata, write_result
 
 from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.codecs.quant import QuantCodec
@@ -448,7 +448,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768] if cuda else [4096, 16384])
-    parser.add_argument("--batch", type=int, nargs="+", default=[8] if cuda else [2])
+    parser.add_argument("--batch", type=positive, nargs="+", default=[8] if cuda else [2])
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.25, 0.125])
     parser.add_argument("--heads", type=int, default=32, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=8)
@@ -464,8 +464,8 @@ def main() -> None:
                         help="splits per (row, KV head) the dense reads are timed with besides the automatic choice "
                         "(each a new autotune on CUDA: e.g. --tokens 32768 --page-sizes 16 --quant-bits 0 --fractions "
                         "1 --graph-layers 0 --split-sweep 16 32 64)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=11, help="timed runs per measurement on CPU")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=positive, default=11, help="timed runs per measurement on CPU")
+    parser.add_argument("--threads", type=positive, default=1)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

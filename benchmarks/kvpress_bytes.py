@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 
 
 def held_bytes(cache) -> tuple[int, int]:
@@ -28,9 +28,9 @@ def held_bytes(cache) -> tuple[int, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--context", type=positive, default=2048)
     parser.add_argument("--ratio", type=float, default=0.5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/kvpress_bytes_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 
 from pikv_hf import PiKVCache
 from pikv_hf.routing import SELECTORS
@@ -89,12 +89,12 @@ def measure(model, ids: torch.Tensor, length: int, placement: str, ks: list[int]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=2048, help="context tokens")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps measured per configuration")
+    parser.add_argument("--steps", type=positive, default=32, help="decode steps measured per configuration")
     parser.add_argument("--n-sink", type=int, default=4)
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--models", nargs="+", default=["smollm2", "smollm2-moe"])
-    parser.add_argument("--shards", type=int, default=8, help="shards per layer and KV head (E)")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per page of the cache")
+    parser.add_argument("--shards", type=positive, default=8, help="shards per layer and KV head (E)")
+    parser.add_argument("--page-size", type=positive, default=16, help="tokens per page of the cache")
     parser.add_argument(
         "--k-over-e", nargs="+", type=float, default=[1 / 8, 1 / 4, 1 / 2], help="selected fractions of the shards"
     )
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--selectors", nargs="+", default=sorted(SELECTORS), help="selection routers to measure")
     parser.add_argument("--score", default="centroid", help="shard score of the selectors: centroid | bound")
     parser.add_argument("--quest", action="store_true", help="also Quest per-page selection at read fraction k/E")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=positive, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/routing_recall_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -16,15 +16,15 @@ import argparse
 from pathlib import Path
 
 import torch
-from bench_cache import run_metadata, write_result
+from bench_cache import positive, run_metadata, write_result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--context", type=positive, default=2048)
+    parser.add_argument("--page-size", type=positive, default=1)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/scheduling_bytes_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
