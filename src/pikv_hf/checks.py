@@ -12,6 +12,12 @@ def check_int_at_least(name: str, value: object, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+def check_seed(value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a seed ``torch.manual_seed`` takes: an integer in ``[0, 2**63)``."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {value!r}")
+
+
 def check_ratio(name: str, value: object) -> None:
     """Raise ``ValueError("<name> must be a number in [0, 1), got <value>")`` unless ``value`` is such a number."""
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:

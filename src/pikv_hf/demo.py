@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from pikv_hf.cache import PiKVCache
-from pikv_hf.checks import CommandLineError, check_int_at_least, check_ratio
+from pikv_hf.checks import CommandLineError, check_int_at_least, check_ratio, check_seed
 from pikv_hf.config import SPARSE_FROM
 
 SHARDS = 256
@@ -170,8 +170,7 @@ def check_demo_args(args: argparse.Namespace) -> None:
                 setattr(args, name, value if name != "router" or moe else "key_cluster")
     try:
         check_int_at_least("context", args.context, MIN_CONTEXT)
-        if not isinstance(args.seed, int) or not 0 <= args.seed < 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {args.seed!r}")
+        check_seed(args.seed)
         check_int_at_least("sample", args.sample, 0)
         check_ratio("ratio", args.ratio)
         if args.tiny:

@@ -7,10 +7,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pikv_hf.checks import check_int_at_least
+from pikv_hf.checks import check_int_at_least, check_seed
 from pikv_hf.config import ReadConfig
 from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX, sparse_read
 from pikv_hf.models.named import MODEL_NAMES
+from pikv_hf.routing.expert import num_experts_of
 from pikv_hf.store.paged import check_num_shards
 
 CACHES = ("dynamic", "pikv")
@@ -95,13 +96,14 @@ class EvalConfig:
             raise ValueError(f"suite must be one of {SUITES}, got {self.suite!r}")
         if not isinstance(self.out, str) or not self.out.strip():
             raise ValueError(f"out must name an output directory, got {self.out!r}")
-        if self.model not in MODEL_NAMES:
-            self.model_config()  # a save_pretrained directory with a readable config.json and weights
+        # a PATH model: a save_pretrained directory with a readable config.json and weights
+        text_config = None if self.model in MODEL_NAMES else self.model_config()
         if self.cache not in CACHES:
             raise ValueError(f"cache must be one of {CACHES}, got {self.cache!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
-        if self.cache == "pikv" and self.router == "expert" and not self.is_moe():
+        moe = self.is_moe() if text_config is None else num_experts_of(text_config) is not None
+        if self.cache == "pikv" and self.router == "expert" and not moe:
             raise ValueError(
                 f"router 'expert' places tokens by the model's MoE routing and model {self.model!r} has no experts: "
                 "use --router key_cluster (placement by key similarity) or round_robin"
@@ -133,10 +135,9 @@ class EvalConfig:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
         if self.num_shards is not None:
             check_num_shards(self.num_shards)
-        if not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        check_seed(self.seed)
         check_int_at_least("page_size", self.page_size, 1)
-        layers = None if self.model in MODEL_NAMES else self.model_config().num_hidden_layers
+        layers = None if text_config is None else text_config.num_hidden_layers
         self.read.validated(None, layers)  # also for runs that never build a sparse point (dynamic cache, ...)
         if self.cache == "pikv":
             shards = self.shards()
@@ -177,8 +178,6 @@ class EvalConfig:
         """Whether the model routes tokens to experts (for a ``PATH`` model: its ``config.json``, read here)."""
         if self.model in MODEL_NAMES:
             return self.model == "smollm2-moe"
-        from pikv_hf.routing.expert import num_experts_of
-
         return num_experts_of(self.model_config()) is not None
 
     def shards(self) -> int | None:
