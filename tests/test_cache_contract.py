@@ -75,6 +75,29 @@ def test_crop_after_eviction_keeps_the_positions_below_the_cut():
     assert layer.evicted.unique().tolist() == [0] and layer.get_mask_sizes(torch.tensor([2])) == (3, 0)
 
 
+def test_a_crop_into_a_rows_left_padding_evicts_nothing_and_the_row_starts_again():
+    """Row 0: 8 pads then 4 tokens, cropped to 5 (only pads left): nothing counts as evicted (its padding did, -3:
+    mask sizes off DynamicCache's) and its next token is its first real one (row_start stayed 8, past it)."""
+    ref, model = model_pair("llama")
+    ids = prompt(12, batch=2, seed=7)
+    mask = torch.ones_like(ids)
+    mask[0, :8] = 0
+    cache, dynamic = PiKVCache(model, page_size=4), DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        ref(input_ids=ids, attention_mask=mask, past_key_values=dynamic)
+        for c in (cache, dynamic):
+            c.crop(5)
+        step = torch.tensor([[11], [12]])
+        mask = torch.cat([mask[:, :5], torch.ones(2, 1, dtype=torch.long)], 1)
+        assert cache.get_mask_sizes(torch.tensor([5]), 0) == dynamic.get_mask_sizes(torch.tensor([5]), 0)
+        got = model(input_ids=step, attention_mask=mask, past_key_values=cache).logits[:, -1]
+        want = ref(input_ids=step, attention_mask=mask, past_key_values=dynamic).logits[:, -1]
+    layer = cache.layers[0]
+    assert layer.evicted.min().item() == 0 and layer.row_start.tolist() == [5, 0]
+    assert (got - want).abs().max().item() < TOL
+
+
 def test_attention_after_ragged_eviction_equals_dense_attention_over_kept_tokens():
     gen = torch.Generator().manual_seed(0)
     _, model = model_pair("llama")

@@ -366,8 +366,14 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         max_length = max(max_length, 0)
         self.views.touch()
         removed = self.stores.crop(max_length)
-        self.evicted -= (self.seen - max_length) - removed  # cut positions that were evicted, not stored
+        # cut positions neither stored nor padding were evicted: a row's padding is its positions before row_start
+        # (every position it saw while it has no real token)
+        pad_end = torch.where(self._row_open, self.seen, self.row_start.clamp(max=self.seen))
+        padding = (pad_end - max_length).clamp(min=0).unsqueeze(-1)  # [B, 1]
+        self.evicted -= (self.seen - max_length) - removed - padding
         self._min_evicted = int(self.evicted.min())
+        self._row_open = self._row_open | (self.row_start >= max_length)  # its real tokens were all cut
+        self._read_rows()
         self._set_seen(max_length)
         self._last_qpos = self._fresh_kv = None
         self._last_q = 0
