@@ -9,6 +9,8 @@ import json
 import pytest
 from helpers import run_benchmark
 
+from pikv_hf.config import ReadConfig
+
 
 @pytest.fixture(scope="module")
 def points(tmp_path_factory):
@@ -56,7 +58,11 @@ def test_each_way_holds_what_it_must(points):
             assert centroids <= got[shape, way]["other_bytes"] <= 1.2 * centroids, (shape, way)
         # Quest's key min / max of every page of 16 tokens, in the keys' bfloat16: a sixteenth of the fp16 KV
         quest = got[shape, "quest_1_8"]
-        assert 0.0625 * fp16 <= quest["meta_bytes"] - exact["meta_bytes"] <= 0.07 * fp16
+        assert 0.0625 * fp16 <= quest["page_bounds_bytes"] <= 0.07 * fp16
+        # besides them, Quest's stores keep the sink / recent-window slots of each (row, KV head): int64 slot ids and
+        # positions, and an int64 reach per entry (batch 1)
+        ring = (16 * s["kv_heads"] + 8) * (ReadConfig().n_sink + ReadConfig().window) * s["layers"]
+        assert quest["meta_bytes"] - exact["meta_bytes"] == quest["page_bounds_bytes"] + ring
         h2o = got[shape, "h2o_offload_routed"]  # half of every head's tokens moved to the offload tier
         assert h2o["offloaded_bytes"] > 0.4 * fp16 and h2o["kv_bytes"] + h2o["offloaded_bytes"] >= fp16
 

@@ -273,3 +273,23 @@ def test_routed_reads_over_an_offload_tier_keep_no_shard_bounds_and_select_as_th
         selected, keep = policy.choose(group, qg, 0.25)  # the selector over StoreGroup.summary (keeps bounds)
         want = torch.zeros_like(chosen).scatter_(2, selected, keep)
         assert chosen.sum() > 0 and torch.equal(chosen, want)
+
+
+@pytest.mark.parametrize("way", ["exact", "routed", "quest_1_8", "quest_quant4", "h2o_offload_routed"])
+def test_each_stores_meta_nbytes_is_every_non_kv_tensor_it_references(model, way):
+    """A store's ``meta_nbytes`` against the storages its attributes reference, less its K/V fields and the stores
+    its key sums cover (``summed_with``: counted as themselves), each storage once: the sink / recent-window slots of
+    a sparse read were left out (more than everything counted, at a short context)."""
+    kwargs, presses = WAYS[way]
+    cache = PiKVCache(model, **kwargs)
+    run(model, cache, prompt(40, batch=2, seed=4), presses)
+    stores = [store for layer in cache.layers for store in layer.stores.all()]
+    assert any(store._marks is not None for store in stores) == (way != "exact")
+    for store in stores:
+        kv = {store.pool[name].untyped_storage().data_ptr() for name in store.kv_fields}
+        held = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for path, t in reachable_tensors(store).values()
+            if t.untyped_storage().data_ptr() not in kv and not path.startswith(".summed_with")
+        }
+        assert store.meta_nbytes() == sum(held.values())

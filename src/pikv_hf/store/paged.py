@@ -580,8 +580,11 @@ class PagedStore:
         return self.kv_nbytes() * empty // slots if slots else 0
 
     def meta_nbytes(self) -> int:
-        """Bytes allocated for positions, valid bits, statistics, page shards and bounds, page table, shard sums."""
+        """Bytes allocated for positions, valid bits, statistics, page shards and bounds, page table, shard sums and
+        the sink / recent-window slots a sparse read keeps."""
         t = self.table
-        table = sum(x.numel() * x.element_size() for x in (t.start, t.cap, t.n_pages, t.open_page, t.open_fill))
+        small = [t.start, t.cap, t.n_pages, t.open_page, t.open_fill]
+        if self._marks is not None:
+            small += [self._marks.slots, self._marks.pos, self._marks.reach]
         meta = tuple(n for n in self.pool.fields if n not in self.kv_fields)
-        return self.pool.nbytes(meta) + table + self.stats.nbytes()
+        return self.pool.nbytes(meta) + sum(x.numel() * x.element_size() for x in small) + self.stats.nbytes()
