@@ -9,8 +9,8 @@ tensors:
 * ``held``: every tensor storage the cache references, each once (``PiKVCache.held_nbytes``);
 * ``kv`` / ``offloaded``: key / value bytes allocated, resident and in the offload tier (``kv_nbytes``,
   ``offloaded_nbytes``);
-* ``meta``: the stores' positions, valid bits, masks, page shard ids and key bounds, page tables and shard key sums
-  (``meta_nbytes``);
+* ``meta``: the stores' positions, valid bits, masks, page shard ids and key bounds, page tables, shard key sums and
+  the sink / recent-window slots of sparse reads (``meta_nbytes``);
 * ``workspace``: the torch backend's CPU scratch, shared by all layers: one gather buffer per field (as large as the
   largest read of one layer) and, for a quantised store, one code field's uint8 and float32 conversion buffers (on
   CUDA a gather allocates its output instead);
