@@ -266,3 +266,25 @@ def test_head_wise_press_frees_bytes_that_kvpress_only_masks():
     assert all(int(k.sum()) == 60 * 2 for k in kept)  # 50% of 120 tokens x 2 KV heads, spread unevenly over heads
     assert any(int(k.max()) > int(k.min()) for k in kept)
     assert cache.kv_nbytes() <= 0.5 * _bytes(dyn) + _slack_bytes(cache)
+
+
+@pytest.mark.parametrize("build", [lambda: kvpress.AdaKVPress(kvpress.KnormPress(0.75)), lambda: kvpress.ChunkKVPress(
+    kvpress.KnormPress(0.5), chunk_length=4), lambda: kvpress.BlockPress(kvpress.KnormPress(0.5), block_size=4)])
+def test_kvpress_own_compress_refuses_a_left_padded_batch_and_leaves_the_cache_empty(build):
+    """kvpress's own ``compress`` cuts the layer's dense keys; in a PiKVCache each row's tokens are packed from its own
+    start and shorter rows filled at the end, and the press kept the fill instead of a padded row's tokens (AdaKV,
+    ChunkKV and Block kept none of them). Refused at the first layer, which is cut back: the same cache then takes a
+    prefill of one row and keeps what a fresh cache keeps."""
+    _, model = model_pair("llama")
+    ids = prompt(28, batch=2, seed=3)
+    mask = torch.ones_like(ids)
+    mask[0, :16] = 0
+    cache = PiKVCache(model, page_size=4)
+    with torch.no_grad(), build()(model), pytest.raises(ValueError, match="cannot cut a left-padded batch"):
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 0 and cache.kv_nbytes() == 0
+    fresh = PiKVCache(model, page_size=4)
+    with torch.no_grad(), build()(model):
+        for c in (cache, fresh):
+            model(input_ids=ids[1:], past_key_values=c)
+    assert cache.layers[0].view().valid.sum().item() == fresh.layers[0].view().valid.sum().item() < 28 * 2

@@ -7,6 +7,9 @@
   ExpectedAttention, ...) prefill a ``PiKVCache`` through ``pikv_hf.presses.base.scorer_hook``: their own ``score``,
   each row's budget counted on its own tokens (left padding takes none), evicted per (row, KV head). On any other
   cache their hook is kvpress's.
+* kvpress's other presses (their own ``compress`` on a layer's dense keys: AdaKV, ChunkKV, Block, ...) run on a
+  ``PiKVCache`` as on a ``DynamicCache``, except on a left-padded batch, which they are refused (its rows start at
+  different positions in the dense view).
 """
 
 from __future__ import annotations
@@ -27,17 +30,45 @@ def _remove_answer_from_cache(self, cache, cache_seq_lengths: list[int]) -> None
         layer.crop(length)
 
 
+_original_forward_hook = BasePress.forward_hook
+
+
+def _base_forward_hook(self, module, input, kwargs, output):
+    """kvpress's own hook (its ``compress`` on the layer's dense keys), refused on a PiKVCache holding a left-padded
+    batch: there each row's tokens are packed from its own start and the shorter rows filled at the end, so the
+    press scored the fill as tokens (kvpress's AdaKV, ChunkKV, Block kept none of a padded row's tokens). The
+    layer's new tokens are cut again first, so the cache is left as it was before the forward."""
+    from pikv_hf.cache import PiKVCache
+
+    cache = kwargs["past_key_values"]
+    if isinstance(cache, PiKVCache):
+        layer = cache.layers[module.layer_idx]
+        if layer.rows_start_apart():
+            before = layer.seen - kwargs["hidden_states"].shape[1]
+            if before:
+                layer.crop(before)
+            else:
+                layer.reset()  # as before its first tokens: it takes any batch again
+            raise ValueError(
+                f"{type(self).__name__} (kvpress's own compress) cannot cut a left-padded batch in a PiKVCache: its "
+                "rows start at different positions. Run it one row at a time, or use a pikv_hf press or a kvpress "
+                "scorer press (each row's budget on its own tokens)"
+            )
+    return _original_forward_hook(self, module, input, kwargs, output)
+
+
 def _scorer_forward_hook(self, module, input, kwargs, output):
     from pikv_hf.cache import PiKVCache
     from pikv_hf.presses.base import scorer_hook
 
     if isinstance(kwargs["past_key_values"], PiKVCache) and type(self).compress is ScorerPress.compress:
         return scorer_hook(self, module, kwargs, output)
-    return BasePress.forward_hook(self, module, input, kwargs, output)
+    return _base_forward_hook(self, module, input, kwargs, output)
 
 
 def install() -> None:
     """Route kvpress's pipeline answer trimming and its scorer presses' prefill hook on a ``PiKVCache`` through
     pikv_hf (idempotent)."""
     KVPressTextGenerationPipeline._remove_answer_from_cache = _remove_answer_from_cache
+    BasePress.forward_hook = _base_forward_hook
     ScorerPress.forward_hook = _scorer_forward_hook

@@ -316,6 +316,12 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         return (self._seen - self.row_start >= threshold) & ~self._row_open
 
     # ------------------------------------------------------------------ length, crop, batch operations
+    def rows_start_apart(self) -> bool:
+        """Whether the rows' first real tokens sit at different positions (a left-padded batch; a host flag): the
+        dense view packs each row's tokens from its start, so entry ``i`` is not one position across rows."""
+        lo, hi = self._start_bounds
+        return self.store is not None and self._padded and (lo != hi or self._rows_open)
+
     def min_evicted(self) -> int:
         """Fewest tokens evicted from any (row, KV head)."""
         return self._min_evicted
