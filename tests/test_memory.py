@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from pikv_hf import PiKVCache
 from pikv_hf.memory import reachable_tensors
-from pikv_hf.presses import H2OPress, QuantPress
+from pikv_hf.presses import ChannelPrunePress, FastVCropPress, H2OPress, QuantPress
 from pikv_hf.read.plan import _arange
 from pikv_hf.tiny import tiny_model
 
@@ -275,16 +275,26 @@ def test_routed_reads_over_an_offload_tier_keep_no_shard_bounds_and_select_as_th
         assert chosen.sum() > 0 and torch.equal(chosen, want)
 
 
-@pytest.mark.parametrize("way", ["exact", "routed", "quest_1_8", "quest_quant4", "h2o_offload_routed"])
+PROJECTED = {  # compressed tiers whose codec holds per-head maps
+    "fastv_crop": (dict(page_size=4), [lambda: FastVCropPress(channels=8, window=2)]),
+    "channel_prune": (dict(page_size=4), [lambda: ChannelPrunePress(channel_ratio=0.5, window=2)]),
+}
+
+
+@pytest.mark.parametrize(
+    "way", ["exact", "routed", "quest_1_8", "quest_quant4", "h2o_offload_routed", "fastv_crop", "channel_prune"]
+)
 def test_each_stores_meta_nbytes_is_every_non_kv_tensor_it_references(model, way):
     """A store's ``meta_nbytes`` against the storages its attributes reference, less its K/V fields and the stores
     its key sums cover (``summed_with``: counted as themselves), each storage once: the sink / recent-window slots of
-    a sparse read were left out (more than everything counted, at a short context)."""
-    kwargs, presses = WAYS[way]
+    a sparse read and a projection codec's maps were left out (each more than everything counted, at a short
+    context)."""
+    kwargs, presses = {**WAYS, **PROJECTED}[way]
     cache = PiKVCache(model, **kwargs)
     run(model, cache, prompt(40, batch=2, seed=4), presses)
     stores = [store for layer in cache.layers for store in layer.stores.all()]
-    assert any(store._marks is not None for store in stores) == (way != "exact")
+    assert any(store._marks is not None for store in stores) == (way in WAYS and way != "exact")
+    assert any(store.codec.tensors() for store in stores) == (way in PROJECTED)
     for store in stores:
         kv = {store.pool[name].untyped_storage().data_ptr() for name in store.kv_fields}
         held = {

@@ -75,6 +75,10 @@ class Codec:
         """The slot fields that hold one token's key and value."""
         raise NotImplementedError
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the codec itself holds (a projection's maps), which its store counts as metadata."""
+        return []
+
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """``[M, Dk]`` keys and ``[M, Dv]`` values -> ``[M, ...]`` per field."""
         raise NotImplementedError

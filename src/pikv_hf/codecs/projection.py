@@ -97,6 +97,9 @@ class ProjectionCodec(Codec):
         self.maps = {"keys": key_map, "values": value_map}
         self.dtype = torch.float32
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for m in self.maps.values() if m is not None for t in (m.down, m.up, m.down_bias, m.up_bias)]
+
     def fields(self, k_dim: int, v_dim: int, dtype: torch.dtype) -> dict[str, FieldSpec]:
         self.dtype = dtype
         out = {}

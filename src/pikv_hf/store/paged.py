@@ -580,10 +580,10 @@ class PagedStore:
         return self.kv_nbytes() * empty // slots if slots else 0
 
     def meta_nbytes(self) -> int:
-        """Bytes allocated for positions, valid bits, statistics, page shards and bounds, page table, shard sums and
-        the sink / recent-window slots a sparse read keeps."""
+        """Bytes allocated for positions, valid bits, statistics, page shards and bounds, page table, shard sums,
+        the sink / recent-window slots a sparse read keeps and the codec's own tensors (a projection's maps)."""
         t = self.table
-        small = [t.start, t.cap, t.n_pages, t.open_page, t.open_fill]
+        small = [t.start, t.cap, t.n_pages, t.open_page, t.open_fill, *self.codec.tensors()]
         if self._marks is not None:
             small += [self._marks.slots, self._marks.pos, self._marks.reach]
         meta = tuple(n for n in self.pool.fields if n not in self.kv_fields)
