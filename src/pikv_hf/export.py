@@ -1,6 +1,7 @@
 """``torch.export`` support: a ``PiKVCache`` is a pytree whose leaves are its tensors.
 
-Every layer contributes its pool fields, page table, shard statistics, token counter and eviction counts as leaves;
+Every layer contributes the pool fields, page table and shard statistics of each of its stores (the hot one and the
+tiers a press made: compressed, offloaded), its token counter and eviction counts as leaves;
 the structure (which leaf is which, and a template cache holding everything else: placement routers, read policy,
 layer settings) is the pytree context. Two caches with the same structure flatten to equal contexts, so a program
 exported with one cache runs with another of the same configuration. Export the decode step of a compileable cache
@@ -15,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pikv_hf.cache import PiKVCache
+from pikv_hf.store import PagedStore
 from pikv_hf.store.tiers import LayerStores
 from pikv_hf.view import LayerViews
 
@@ -44,14 +46,17 @@ class _Structure:
 
 
 def _leaves(cache: PiKVCache) -> dict[str, torch.Tensor]:
+    """Every layer's tensors by name: ``{layer}.{store}.{part}.{field}`` for each of its stores (the hot one and its
+    tiers: a compressed or offload tier a press made), then its eviction counts and token counter."""
     out: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(cache.layers):
-        st = layer.store
-        if st is None:
+        if layer.store is None:
             raise ValueError(f"layer {i} of the PiKVCache holds no tokens yet: export the decode step after a prefill")
-        out.update({f"{i}.pool.{n}": t for n, t in st.pool.fields.items()})
-        out.update({f"{i}.table.{n}": getattr(st.table, n) for n in _TABLE})
-        out.update({f"{i}.stats.{n}": getattr(st.stats, n) for n in _STATS if getattr(st.stats, n) is not None})
+        for name, st in layer.stores.named():
+            out.update({f"{i}.{name}.pool.{n}": t for n, t in st.pool.fields.items()})
+            out.update({f"{i}.{name}.table.{n}": getattr(st.table, n) for n in _TABLE})
+            stats = {n: getattr(st.stats, n) for n in _STATS}
+            out.update({f"{i}.{name}.stats.{n}": t for n, t in stats.items() if t is not None})
         out[f"{i}.evicted"] = layer.evicted
         if layer._seen_t is not None:
             out[f"{i}.seen"] = layer._seen_t
@@ -68,17 +73,26 @@ def _flatten_with_keys(cache: PiKVCache) -> tuple[list, _Structure]:
     return [(pytree.MappingKey(k), v) for k, v in zip(structure.names, values, strict=True)], structure
 
 
+def _copy_store(st: PagedStore) -> PagedStore:
+    """A shallow copy of ``st`` whose pool fields, table and statistics can take other tensors."""
+    st = copy.copy(st)
+    st.pool = copy.copy(st.pool)
+    st.pool.fields = dict(st.pool.fields)
+    st.table, st.stats = copy.copy(st.table), copy.copy(st.stats)
+    return st
+
+
 def _unflatten(values, structure: _Structure) -> PiKVCache:
     """A shallow copy of the template whose tensors are ``values`` (the template itself is not changed)."""
     cache = copy.copy(structure.template)
     cache.layers = []
     for layer in structure.template.layers:
+        tiers = {name: _copy_store(st) for name, st in layer.stores.tiers.items()}
         layer = copy.copy(layer)
-        st = layer.store = copy.copy(layer.store)
-        st.pool = copy.copy(st.pool)
-        st.pool.fields = dict(st.pool.fields)
-        st.table, st.stats = copy.copy(st.table), copy.copy(st.stats)
-        layer.stores = LayerStores(st)  # a compileable layer has no tiers
+        layer.store = _copy_store(layer.store)
+        layer.store.summed_with = [tiers[n] for n, st in layer.stores.tiers.items() if st in layer.store.summed_with]
+        layer.stores = LayerStores(layer.store)
+        layer.stores.tiers = tiers
         layer.views = LayerViews(layer)
         cache.layers.append(layer)
     for name, value in zip(structure.names, values, strict=True):
@@ -88,10 +102,13 @@ def _unflatten(values, structure: _Structure) -> PiKVCache:
             layer._seen_t = value
         elif path == ["evicted"]:
             layer.evicted = value
-        elif path[0] == "pool":
-            layer.store.pool.fields[path[1]] = value
         else:
-            setattr(getattr(layer.store, path[0]), path[1], value)
+            store_name, part, field = path
+            st = layer.store if store_name == "hot" else layer.stores.tiers[store_name]
+            if part == "pool":
+                st.pool.fields[field] = value
+            else:
+                setattr(getattr(st, part), field, value)
     return cache
 
 
