@@ -91,7 +91,8 @@ class KeyClusterPlacement(Placement):
         grown.scatter_(2, slot.view(b, 1, s, 1).expand(b, h, s, d), seeds)
         self.centroids = grown[:, :, :s].contiguous()
         self.seeded = self.seeded + m
-        self._all_seeded = bool((self.seeded >= s).all())
+        if not torch.compiler.is_compiling():  # a host read: traced steps seed (a no-op once seeded) every time
+            self._all_seeded = bool((self.seeded >= s).all())
 
     def _ready(self) -> torch.Tensor:
         """``[B, 1, 1, S]`` bool: centroids seeded."""
