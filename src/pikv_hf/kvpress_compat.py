@@ -67,8 +67,8 @@ def _scorer_forward_hook(self, module, input, kwargs, output):
 
 
 def install() -> None:
-    """Route kvpress's pipeline answer trimming and its scorer presses' prefill hook on a ``PiKVCache`` through
-    pikv_hf (idempotent)."""
+    """Route kvpress's pipeline answer trimming, its scorer presses' prefill hook and its other presses' hook on a
+    ``PiKVCache`` through pikv_hf (idempotent)."""
     KVPressTextGenerationPipeline._remove_answer_from_cache = _remove_answer_from_cache
     BasePress.forward_hook = _base_forward_hook
     ScorerPress.forward_hook = _scorer_forward_hook
