@@ -16,6 +16,8 @@ from collections import defaultdict
 
 import torch
 
+from pikv_hf.checks import check_int_at_least
+
 QUANTIZED_CACHE = "quantized_cache"
 QUANTIZED_CACHE_DEFAULTS = {"nbits": 4, "q_group_size": 64, "residual_length": 128}
 
@@ -77,10 +79,11 @@ def build(spec: str):
             raise ValueError(f"press spec {spec!r}: {QUANTIZED_CACHE} takes {sorted(QUANTIZED_CACHE_DEFAULTS)}")
         if kwargs.get("nbits", 4) not in (2, 4):
             raise ValueError(f"press spec {spec!r}: nbits must be 2 or 4 (quanto backend)")
-        for key in ("q_group_size", "residual_length"):
-            value, low = kwargs.get(key, QUANTIZED_CACHE_DEFAULTS[key]), 1 if key == "q_group_size" else 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"press spec {spec!r}: {key} must be an integer >= {low}, got {value!r}")
+        for key, low in (("q_group_size", 1), ("residual_length", 0)):
+            try:
+                check_int_at_least(key, kwargs.get(key, QUANTIZED_CACHE_DEFAULTS[key]), low)
+            except ValueError as err:
+                raise ValueError(f"press spec {spec!r}: {err}") from None
         return None
     if name not in COMPRESSORS:
         raise ValueError(f"press spec {spec!r}: the name must be one of {COMPRESSORS + (QUANTIZED_CACHE,)}")
