@@ -228,6 +228,15 @@ def _points(rows):
             r"mass_target must be None or a number in \(0, 1\]",
         ),
         (["--suite", "ruler", "--cache", "paged"], "cache must be one of"),
+        # a named model's layers are known before it loads (this was a traceback after writing run_config.json)
+        (
+            ["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--dense-layers", "31"],
+            r"dense_layers must be an integer in \[0, 30\], got 31",
+        ),
+        # PiKVCache options with the DynamicCache flow were ignored
+        (["--suite", "ruler", "--num-shards", "4"], "num_shards configure a PiKVCache: they need cache 'pikv'"),
+        (["--suite", "ruler", "--page-size", "8", "--router", "key_cluster"], "router, page_size configure"),
+        (["--suite", "ruler", "--window", "8"], "the read options .* configure a PiKVCache"),
         (["--suite", "ruler", "--samples", "0"], "samples must be >= 1"),
         (["--suite", "ruler", "--tasks", "nope"], "unknown RULER task 'nope'"),
         (["--suite", "ruler", "--tasks", ""], "unknown RULER task ''"),

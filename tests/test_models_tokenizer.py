@@ -62,3 +62,15 @@ def test_unsupported_gguf_tokenizers_are_rejected(tmp_path):
     write_tiny_gguf(path2, add_bos=True)
     with pytest.raises(ValueError, match="add_bos_token=false"):
         tokenizer_from_gguf(path2)
+
+
+def test_named_models_layer_count_is_the_gguf_block_count():
+    """``MODEL_LAYERS`` checks --dense-layers before a named model loads: it must be the real file's layer count."""
+    import gguf
+
+    from pikv_hf.models import find_smollm2_gguf
+    from pikv_hf.models.named import MODEL_LAYERS, MODEL_NAMES
+
+    reader = gguf.GGUFReader(str(find_smollm2_gguf()))
+    blocks = int(reader.fields["llama.block_count"].contents())
+    assert set(MODEL_LAYERS) == set(MODEL_NAMES) and set(MODEL_LAYERS.values()) == {blocks}  # the upcycle keeps them

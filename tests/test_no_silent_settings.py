@@ -188,6 +188,29 @@ def test_opaque_inputs_raise_named_errors_and_change_nothing():
     assert [int(layer.held().sum()) for layer in cache.layers] == before and cache.get_seq_length() == 12
 
 
+def test_layer_batch_operations_check_their_rows():
+    """A layer's own reorder_cache / batch_select_indices / batch_repeat_interleave (what transformers' Cache calls
+    per layer) refuse what the cache refuses; before, a layer took -1 as the last row and an empty index as a batch
+    of none."""
+    _, model = model_pair("llama")
+    cache = pikv(model)
+    with torch.no_grad():
+        model(prompt(12, batch=2), past_key_values=cache)
+    layer = cache.layers[0]
+    keys = layer.keys.clone()
+    with pytest.raises(IndexError, match="beam_idx must index at least one batch row, each in .*got \\[-1, 0"):
+        layer.reorder_cache(torch.tensor([-1, 0]))
+    with pytest.raises(IndexError, match="indices must index at least one batch row"):
+        layer.batch_select_indices(torch.tensor([], dtype=torch.int64))
+    with pytest.raises(TypeError, match="indices must be a 1-D integer tensor"):
+        layer.batch_select_indices(torch.tensor([0.0]))
+    with pytest.raises(ValueError, match="repeats must be"):
+        layer.batch_repeat_interleave(0)
+    assert torch.equal(layer.keys, keys)
+    layer.batch_select_indices(torch.tensor([1]))  # valid: the layer's rows follow (the reference: the slice)
+    assert torch.equal(layer.keys, keys[1:])
+
+
 # ------------------------------------------------------------------ 7. update outside a forward
 def test_update_outside_a_forward_returns_the_dense_tensors():
     _, model = model_pair("llama")

@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pikv_hf.attention.triton_backend import make_backend
-from pikv_hf.checks import check_int_at_least, check_tensor
+from pikv_hf.checks import check_int_at_least, check_rows, check_tensor
 from pikv_hf.config import ReadConfig
 from pikv_hf.distributed import ShardPlan, bind
 from pikv_hf.distributed.layer import PartitionedLayer
@@ -284,39 +284,21 @@ class PiKVCache(ForwardAwareCache):
         return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
 
     def _rows(self, name: str, index: torch.Tensor) -> None:
-        """``IndexError`` unless ``index`` (a tensor of row indices, or a row mask) selects at least one row, each in
-        range for the cache's batch (``[0, B)``: the rows are gathered with ``index_select``)."""
+        """``checks.check_rows`` against the cache's batch, once for every layer (before any layer changes)."""
         check_tensor(name, index)
         store = next((la.store for la in self.layers if la.store is not None), None)
-        if store is None:
-            return
-        batch = store.batch
-        if index.device.type not in ("cpu", store.device.type):
-            raise ValueError(f"{name} must be on the CPU or the cache's device ({store.device}), got {index.device}")
-        if index.dtype == torch.bool:
-            if index.dim() != 1 or index.numel() != batch:
-                raise IndexError(f"{name} as a mask must be 1-D bool of length {batch}, got {tuple(index.shape)}")
-            if not bool(index.any()):
-                raise IndexError(f"{name} must select at least one batch row, got a mask of no row")
-            return
-        if index.is_floating_point() or index.dim() != 1:
-            raise TypeError(
-                f"{name} must be a 1-D integer tensor of batch rows, got {index.dtype} {tuple(index.shape)}"
-            )
-        if not index.numel() or not bool(((index >= 0) & (index < batch)).all()):
-            raise IndexError(f"{name} must index at least one batch row, each in [0, {batch}), got {index.tolist()}")
+        if store is not None:
+            check_rows(name, index, store.batch, store.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._rows("beam_idx", beam_idx)
-        super().reorder_cache(beam_idx)
+        for layer in self.layers:
+            layer._index_batch(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._rows("indices", indices)
-        super().batch_select_indices(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        check_int_at_least("repeats", repeats, 1)
-        super().batch_repeat_interleave(repeats)
+        for layer in self.layers:
+            layer._select_rows(indices)
 
     def crop(self, max_length: int) -> None:
         if not isinstance(max_length, int) or isinstance(max_length, bool):

@@ -63,6 +63,27 @@ def check_tensor(
         raise ValueError(f"{name} must be on {device}, got {value.device}")
 
 
+def check_rows(name: str, index: object, batch: int, device: object) -> None:
+    """``IndexError`` unless ``index`` (a tensor of row indices, or a row mask) selects at least one row, each in
+    range for a batch of ``batch`` rows (``[0, batch)``: the rows are gathered with ``index_select``); ``ValueError``
+    unless it lies on the CPU or on ``device``; ``TypeError`` for a float or multi-dimensional index."""
+    import torch
+
+    check_tensor(name, index)
+    if index.device.type not in ("cpu", torch.device(device).type):
+        raise ValueError(f"{name} must be on the CPU or the cache's device ({device}), got {index.device}")
+    if index.dtype == torch.bool:
+        if index.dim() != 1 or index.numel() != batch:
+            raise IndexError(f"{name} as a mask must be 1-D bool of length {batch}, got {tuple(index.shape)}")
+        if not bool(index.any()):
+            raise IndexError(f"{name} must select at least one batch row, got a mask of no row")
+        return
+    if index.is_floating_point() or index.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D integer tensor of batch rows, got {index.dtype} {tuple(index.shape)}")
+    if not index.numel() or not bool(((index >= 0) & (index < batch)).all()):
+        raise IndexError(f"{name} must index at least one batch row, each in [0, {batch}), got {index.tolist()}")
+
+
 def _matches(value: object, hint: object) -> bool:
     """Whether ``value`` fits the type hint ``hint`` (unions, ``None``, containers by their origin; a ``float``
     takes an ``int``; ``bool`` is not a number)."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from pikv_hf.attention import TorchBackend
-from pikv_hf.checks import check_kv_update
+from pikv_hf.checks import check_int_at_least, check_kv_update, check_rows, check_tensor
 from pikv_hf.config import ReadConfig
 from pikv_hf.constants import ATTN_IMPLEMENTATION
 from pikv_hf.edits import LayerEdits
@@ -405,14 +405,26 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
             self._last_q = 0
             self._index_pos = None if self._index_pos is None else self._index_pos.index_select(0, index)
 
+    def _check_rows(self, name: str, index: torch.Tensor) -> None:
+        check_tensor(name, index)
+        if self.store is not None:
+            check_rows(name, index, self.store.batch, self.store.device)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._check_rows("beam_idx", beam_idx)
         self._index_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        check_int_at_least("repeats", repeats, 1)
         if self.store is not None:
             self._index_batch(torch.arange(self.store.batch, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._check_rows("indices", indices)
+        self._select_rows(indices)
+
+    def _select_rows(self, indices: torch.Tensor) -> None:
+        """:meth:`batch_select_indices` on checked ``indices`` (row ids or a row mask)."""
         if self.store is not None:
             self._index_batch(torch.arange(self.store.batch, device=self.device)[indices.to(self.device)])
 

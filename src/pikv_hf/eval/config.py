@@ -10,7 +10,7 @@ from pathlib import Path
 from pikv_hf.checks import check_int_at_least, check_seed
 from pikv_hf.config import ReadConfig
 from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX, sparse_read
-from pikv_hf.models.named import MODEL_NAMES
+from pikv_hf.models.named import MODEL_LAYERS, MODEL_NAMES
 from pikv_hf.routing.expert import num_experts_of
 from pikv_hf.store.paged import check_num_shards
 
@@ -137,8 +137,21 @@ class EvalConfig:
             check_num_shards(self.num_shards)
         check_seed(self.seed)
         check_int_at_least("page_size", self.page_size, 1)
-        layers = None if text_config is None else text_config.num_hidden_layers
+        layers = MODEL_LAYERS[self.model] if text_config is None else text_config.num_hidden_layers
         self.read.validated(None, layers)  # also for runs that never build a sparse point (dynamic cache, ...)
+        if self.cache != "pikv":
+            pikv_only = {
+                "router": self.router != "round_robin",
+                "num_shards": self.num_shards is not None,
+                "page_size": self.page_size != 16,
+                "the read options (selector, n_sink, window, dense_layers, mass_target, sparse_from)": (
+                    self.read != ReadConfig()
+                ),
+            }
+            given = [name for name, changed in pikv_only.items() if changed]
+            if given:
+                given = ", ".join(given)
+                raise ValueError(f"{given} configure a PiKVCache: they need cache 'pikv', got {self.cache!r}")
         if self.cache == "pikv":
             shards = self.shards()
             for press, ratio in self.points():

@@ -8,6 +8,7 @@ from pikv_hf.models.smollm2 import load_smollm2
 from pikv_hf.models.upcycle import upcycle_to_moe
 
 MODEL_NAMES = ("smollm2", "smollm2-moe")
+MODEL_LAYERS = {"smollm2": 30, "smollm2-moe": 30}  # decoder layers, known before loading (options are checked early)
 CALIBRATION_SENTENCES = 400  # the last essay sentences route the upcycled experts (held out of the haystacks' start)
 CALIBRATION_TOKENS = 2048
 
