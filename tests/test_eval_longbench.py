@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from pathlib import Path
 
@@ -143,3 +144,41 @@ def test_hub_failure_names_the_local_alternative(monkeypatch):
     with pytest.raises(RuntimeError, match="could not load THUDM/LongBench/hotpotqa .*--longbench-dir"):
         longbench.load_dataset_rows("hotpotqa")
     assert tried == ["THUDM/LongBench", "json"]
+
+
+def test_middle_truncation_fits_when_the_seam_takes_more_tokens():
+    """Decoded and joined, the two kept halves can encode to more tokens than the halves did (a greedy tokenizer
+    reads ``ab`` + ``cde`` as ``abc d e``): the prompt text must still fit in ``max_length`` (it was over by up to
+    one token per seam)."""
+    from pikv_hf.eval.generation import PromptBuilder
+
+    class Tok:  # greedy longest match over a tiny vocabulary
+        def encode(self, text, add_special_tokens=False):
+            return re.findall(r"abc|cde|ab|.", text, flags=re.S)
+
+        def decode(self, tokens):
+            return "".join(tokens)
+
+    class Builder(PromptBuilder):
+        def __init__(self):
+            self.tokenizer, self.has_template = Tok(), False
+
+        def count(self, text):
+            return len(self.tokenizer.encode(text))
+
+        def build(self, context, question, answer_prefix, chat=True, separator="\n\n"):
+            return context, separator + question + answer_prefix
+
+    builder, rng, over = Builder(), random.Random(0), 0
+    row = longbench.load_dataset_rows("hotpotqa", str(FIXTURES / "longbench"))[0]
+    head, tail = longbench.PROMPTS["hotpotqa"].split("{context}")
+    for _ in range(300):
+        context = "".join(rng.choice(["ab", "cde", "c", "de", "x"]) for _ in range(rng.randint(5, 60)))
+        question = tail.replace("{input}", row["input"])
+        fixed = builder.count(head) + builder.count(question)
+        max_length = fixed + rng.randint(1, len(Tok().encode(context)))
+        example = longbench.build_example({**row, "context": context}, "hotpotqa", builder, max_length)
+        prompt, asked = example["ids"]
+        assert builder.count(prompt) + builder.count(asked) <= max_length
+        over += builder.count(prompt) + builder.count(asked) == max_length
+    assert over > 0  # the cut is no larger than needed: many prompts fill the budget exactly

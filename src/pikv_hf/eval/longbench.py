@@ -293,13 +293,14 @@ def build_example(row: dict, name: str, builder, max_length: int) -> dict:
     overflow = builder.count(head) + len(context_tokens) + builder.count(question) - max_length
     removed = 0
     context = row["context"]
-    if overflow > 0:
-        keep = max(len(context_tokens) - overflow, 0)
+    while overflow > 0 and removed < len(context_tokens):
+        # the two halves are decoded and joined: encoded again, the joint can take more tokens than the parts (a
+        # word cut at the seam), so the cut grows until the prompt text fits
+        removed = min(removed + overflow, len(context_tokens))
+        keep = len(context_tokens) - removed
         left = keep // 2
-        context = tokenizer.decode(context_tokens[:left]) + tokenizer.decode(
-            context_tokens[len(context_tokens) - (keep - left) :]
-        )
-        removed = len(context_tokens) - keep
+        context = tokenizer.decode(context_tokens[:left]) + tokenizer.decode(context_tokens[left + removed :])
+        overflow = builder.count(head + context) + builder.count(question) - max_length
     ids = builder.build(head + context, question, "", chat=base not in NO_CHAT_TEMPLATE, separator="")
     record = {
         "answers": [str(a) for a in row["answers"]],
