@@ -509,3 +509,63 @@ def test_quest_press_below_sparse_from_warns_and_reads_densely(shipped_sparse_fr
         warnings.simplefilter("error")
         sparse = generate(model, ids, PiKVCache(model, page_size=PAGE, sparse_from=0), max_new_tokens=NEW).logits
     assert max_logit_diff(sparse, quest) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_statistics_over_ragged_layouts_equal_a_dense_reference(seed, monkeypatch):
+    """``attention_statistics`` (query chunks, the keys every query of a chunk sees left unmasked, the normalisation
+    folded into the sums) against a float64 loop over every query: evicted gaps, left padding (keys invalid, queries
+    taking no part), sliding windows, a query that sees nothing, many chunks."""
+    from types import SimpleNamespace
+
+    from pikv_hf.presses import queries as queries_mod
+
+    gen = torch.Generator().manual_seed(seed)
+    b, h, g, d, n = 2, 2, 3, 8, 12
+    t = n + int(torch.randint(0, 6, (1,), generator=gen))
+    window = [None, 5][seed % 2]
+    pos = torch.full((b, h, t), -1)
+    valid = torch.zeros(b, h, t, dtype=torch.bool)
+    first = t - n  # positions of the context before these queries: 0 .. t - 1, the queries the last n of them
+    query_pos = torch.arange(first, t)
+    query_ok = torch.ones(b, n, dtype=torch.bool)
+    query_ok[1, : 2 + seed % 3] = False  # row 1 is left padded
+    for row in range(b):
+        for head in range(h):
+            kept = torch.sort(torch.randperm(t, generator=gen)[: t - int(torch.randint(0, 4, (1,), generator=gen))])
+            kept = kept.values
+            if row == 1:
+                kept = kept[kept >= first + 2 + seed % 3]  # the padding's keys are not stored
+            pos[row, head, : kept.numel()] = kept
+            valid[row, head, : kept.numel()] = True
+    keys = torch.randn(b, h, t, d, generator=gen)
+    query = torch.randn(b, h * g, n, d, generator=gen) * 2
+    module = SimpleNamespace(scaling=0.3, sliding_window=window)
+    monkeypatch.setattr(queries_mod, "model_queries", lambda *args: query)
+    layout = queries_mod.KeyLayout(pos, valid, query_pos, query_ok)
+    hidden = torch.zeros(b, n, 1)  # a tiny input: chunks of one or two queries
+    got = queries_mod._attention_statistics(module, hidden, keys, {}, True, layout)
+    mass_only = queries_mod._attention_statistics(module, hidden, keys, {}, False, layout)
+
+    mass = torch.zeros(b, h, t, dtype=torch.float64)
+    hits = torch.zeros(b, h, t, dtype=torch.int64)
+    last = torch.full((b, h, t), -1)
+    for row in range(b):
+        for head in range(h):
+            for i in range(n):
+                qp = int(query_pos[i])
+                see = valid[row, head] & (pos[row, head] <= qp) & bool(query_ok[row, i])
+                if window:
+                    see &= pos[row, head] > qp - window
+                if not see.any():
+                    continue
+                scores = query[row, head * g : (head + 1) * g, i].double() @ keys[row, head, see].double().T * 0.3
+                prob = scores.softmax(-1).sum(0)
+                mass[row, head, see] += prob
+                hit = prob > g / int(see.sum())
+                idx = see.nonzero().squeeze(1)[hit]
+                hits[row, head, idx] += 1
+                last[row, head, idx] = qp
+    assert torch.allclose(got.mass.double(), mass, atol=1e-5)
+    assert torch.allclose(mass_only.mass.double(), mass, atol=1e-5)
+    assert torch.equal(got.hits, hits) and torch.equal(got.last_hit, last)

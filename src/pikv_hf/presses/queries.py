@@ -160,33 +160,44 @@ def _attention_statistics(
         stop = min(n, start + chunk)
         qpos = layout.query_pos[start:stop].view(1, 1, -1, 1)
         end = int(((layout.pos <= qpos.max()) & layout.valid).sum(-1).max())
-        kpos = layout.pos[:, :, None, :end]  # [B, H, 1, end]
-        visible = (kpos <= qpos) & layout.valid[:, :, None, :end] & query_ok[:, None, start:stop, None]
+        lo = _seen_by_all(layout, qpos, query_ok[:, start:stop], window, end)
+        kpos = layout.pos[:, :, None, lo:end]  # [B, H, 1, end - lo]: the keys some query of the chunk does not see
+        visible = (kpos <= qpos) & layout.valid[:, :, None, lo:end] & query_ok[:, None, start:stop, None]
         if window:
             visible &= kpos > qpos - window
-        seen = visible.sum(-1, keepdim=True) if with_hits else None  # [B, H, q, 1] keys each query sees
+        seen = visible.sum(-1, keepdim=True) + lo if with_hits else None  # [B, H, q, 1] keys each query sees
         qc = queries[:, :, start:stop].reshape(b, h, g, stop - start, d)
-        # one score-sized float tensor per chunk: the product, masked, exponentiated and normalised in place
+        # one score-sized float tensor per chunk: the product, masked (past the keys every query sees), exponentiated
+        # in place
         prob = torch.einsum("bhgqd,bhkd->bhgqk", qc, keys32[:, :, :end])
-        hidden = visible.logical_not_().unsqueeze(2)
-        prob = _softmax_(prob.masked_fill_(hidden, float("-inf"))).nan_to_num_(0.0)  # a query seeing nothing: 0
-        del visible, hidden
+        prob[..., lo:end].masked_fill_(visible.logical_not_().unsqueeze(2), float("-inf"))
+        del visible
+        top = prob.amax(-1, keepdim=True)
+        total = prob.sub_(top.masked_fill_(torch.isneginf(top), 0.0)).exp_().sum(-1)  # [B, H, G, q]; 0: sees nothing
+        inverse = total.reciprocal_().masked_fill_(torch.isinf(total), 0.0)
         if with_hits:
-            summed = prob.sum(2)  # [B, H, q, end], summed over G
+            summed = prob.mul_(inverse.unsqueeze(-1)).sum(2)  # [B, H, q, end], probabilities summed over G
             mass[..., :end] += summed.sum(2)
             hit = summed > g / seen.float()
             hits[..., :end] += hit.sum(2)
             last[..., :end] = torch.maximum(last[..., :end], torch.where(hit, qpos, -1).amax(2))
-        else:
-            mass[..., :end] += prob.sum((2, 3))
+        else:  # the normalisation folded into the sum over the queries
+            mass[..., :end] += torch.einsum("bhgqk,bhgq->bhk", prob, inverse)
         del prob  # before the next chunk's scores exist
     if not with_hits:
         return AttentionStatistics(mass=mass, hits=None, last_hit=None)
     return AttentionStatistics(mass=mass, hits=hits, last_hit=last)
 
 
-def _softmax_(scores: torch.Tensor) -> torch.Tensor:
-    """``scores.softmax(-1)`` computed in place (no second score-sized tensor); a row of ``-inf`` gives NaN, as
-    ``softmax`` does."""
-    scores.sub_(scores.amax(-1, keepdim=True)).exp_()
-    return scores.div_(scores.sum(-1, keepdim=True))
+def _seen_by_all(
+    layout: KeyLayout, qpos: torch.Tensor, query_ok: torch.Tensor, window: int | None, end: int
+) -> int:
+    """How many leading keys (of every row and head) every query of a chunk sees (positions ``qpos`` ``[1, 1, q,
+    1]``, ``query_ok`` ``[B, q]``): those need no mask. 0 when a query of the chunk takes no part."""
+    if not bool(query_ok.all()):
+        return 0
+    pos = layout.pos[..., :end]
+    every = layout.valid[..., :end] & (pos <= qpos.min())
+    if window:
+        every &= pos > qpos.max() - window
+    return int(every.flatten(0, 1).all(0).cumprod(0).sum())
