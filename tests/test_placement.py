@@ -4,6 +4,7 @@ import pytest
 import torch
 from helpers import model_pair, pikv, prompt, shard_of_positions
 
+from pikv_hf import PiKVCache
 from pikv_hf.routing import KeyClusterPlacement, PlacementContext, RoundRobinPlacement, make_placement
 
 
@@ -127,6 +128,31 @@ def test_expert_placement_follows_the_previous_layers_router():
     assert torch.equal(token_shard, top1)
     assert cache.layers[0].placement.source is None  # layer 0: round-robin fallback
     assert cache.layers[0].placement.fallback_tokens == 29
+
+
+@pytest.mark.parametrize("arch", ["phimoe", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("seed", [1, 5])
+def test_expert_placement_is_the_routers_first_choice(arch, seed):
+    """A token's shard is the expert with the largest router logit at the layer before (the router's first choice).
+    PhiMoE's sparsemixer can weigh its second choice 1.0 and its first 0.5: the largest weight placed 4 of 30 tokens
+    on the second choice's shard."""
+    from pikv_hf.tiny import tiny_model
+
+    model = tiny_model(arch, seed=seed)
+    mlp = model.model.layers[0].mlp
+    router = getattr(mlp, "router", None) or mlp.gate
+    captured = {}
+    handle = router.register_forward_hook(lambda m, a, out: captured.update(logits=out[0]))
+    experts = mlp.experts.num_experts if hasattr(mlp.experts, "num_experts") else model.config.num_local_experts
+    ids = torch.randint(3, 200, (1, 30), generator=torch.Generator().manual_seed(seed))
+    try:
+        cache = PiKVCache(model, router="expert", num_shards=experts, page_size=1)
+        with torch.no_grad():
+            model(ids, past_key_values=cache)
+    finally:
+        handle.remove()
+    first_choice = captured["logits"].reshape(30, -1).argmax(-1)  # the gate's own output, layer 0
+    assert torch.equal(shard_of_positions(cache.layers[1].store, 30)[0, 0], first_choice)
 
 
 def test_expert_placement_maps_experts_onto_fewer_shards():

@@ -41,24 +41,36 @@ class ExpertTap:
 
     transformers 5.x calls each layer's fused experts module as ``experts(hidden [T, D], top_k_index [T, k],
     top_k_weights [T, k])`` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GPT-OSS, PhiMoE); the top-1 expert is the
-    index with the largest weight. GraniteMoE has no such module; its ``router`` returns the logits ``[T, E]`` as
-    last output, and the top-1 expert is their argmax. A pre-hook on layer 0 clears the previous forward's record.
+    selected index with the largest router logit, read from the layer's router module (``gate`` / ``router``, whose
+    output or first output is the logits ``[T, E]``) when it runs as a module, else the index with the largest weight
+    (DeepSeek-V2 applies its gate's weight directly; its weights grow with the logits). The weights alone can
+    mislead: PhiMoE's sparsemixer can weigh its second choice 1.0 and its first (the logits' argmax) 0.5.
+    GraniteMoE has no experts module; its ``router`` returns the logits ``[T, E]`` as last output, and the top-1
+    expert is their argmax. A pre-hook on layer 0 clears the previous forward's record.
     """
 
     def __init__(self, model: nn.Module) -> None:
         layers = decoder_layers(model)
         self.top1: dict[int, torch.Tensor] = {}
-        self._handles = [layers[0].register_forward_pre_hook(lambda *_: self.top1.clear())]
+        self._logits: dict[int, torch.Tensor] = {}  # router logits of the current forward, per MoE layer
+        self._handles = [layers[0].register_forward_pre_hook(lambda *_: self._clear())]
         self.moe_layers: list[int] = []
         for idx, layer in enumerate(layers):
             if self._hook_layer(idx, layer):
                 self.moe_layers.append(idx)
+
+    def _clear(self) -> None:
+        self.top1.clear()
+        self._logits.clear()
 
     def _hook_layer(self, idx: int, layer: nn.Module) -> bool:
         modules = dict(layer.named_modules())
         for name, module in modules.items():
             if name.split(".")[-1] == "experts" and not isinstance(module, nn.ModuleList):
                 self._handles.append(module.register_forward_pre_hook(self._experts_hook(idx), with_kwargs=True))
+                for gate_name, gate in modules.items():
+                    if gate_name.split(".")[-1] in ("gate", "router"):
+                        self._handles.append(gate.register_forward_hook(self._logits_hook(idx)))
                 return True
         for name, module in modules.items():
             if name.split(".")[-1] == "router":
@@ -70,7 +82,18 @@ class ExpertTap:
         def hook(module, args, kwargs):
             values = list(args[1:3]) + [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
             index, weights = values[0], values[1]
+            logits = self._logits.pop(idx, None)
+            if logits is not None and logits.dim() >= 2 and logits.numel() // logits.shape[-1] == index.shape[0]:
+                weights = logits.reshape(index.shape[0], -1).gather(-1, index)  # the selected experts' logits
             self.top1[idx] = index.gather(-1, weights.argmax(-1, keepdim=True)).squeeze(-1)
+
+        return hook
+
+    def _logits_hook(self, idx: int):
+        def hook(module, args, output):
+            logits = output[0] if isinstance(output, tuple) else output
+            if isinstance(logits, torch.Tensor) and logits.is_floating_point():
+                self._logits[idx] = logits
 
         return hook
 
