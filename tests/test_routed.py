@@ -365,3 +365,37 @@ def test_prefix_sum_compiled_in_chunks_equals_cumsum(width):
             idx = need[b, h].nonzero().flatten()[:keep]
             want[b, h, : idx.numel()] = idx
     assert torch.equal(got, want)
+
+
+def test_a_shard_emptied_by_eviction_carries_no_key_bounds():
+    """Bounds are not recomputed on removal, so a shard whose every token was evicted kept its old keys' bounds:
+    hierarchical(score='bound') merged them into its group and read the wrong shard. The summary a selector reads
+    gives an empty shard +inf / -inf bounds; the read equals attention over the shard the held keys rank first."""
+    d, shards = 2, 4
+    config = tiny_config("llama", num_attention_heads=1, num_key_value_heads=1, head_dim=d)
+    selector_kwargs = dict(num_groups=2, top_groups=1, grouping="contiguous", score="bound")
+    cache = PiKVCache(
+        config, router="round_robin", num_shards=shards, page_size=1, attention="routed", top_k_shards=1,
+        selector="hierarchical", selector_kwargs=selector_kwargs, n_sink=0, window=1, sparse_from=0,
+    )  # fmt: skip
+    layer = cache.layers[0]
+    big = [[1.0, 1.0], [0.5, 0.5], [0.1, 0.1], [5.0, 5.0]]  # token t goes to shard t % 4: shard 3 holds the big keys
+    keys = torch.tensor(big * 2).view(1, 1, 8, d)
+    values = torch.arange(8.0).view(1, 1, 8, 1).expand(1, 1, 8, d).contiguous()
+    query = torch.tensor([1.0, 1.0]).view(1, 1, 1, d)
+    cache.update(keys, values, 0)
+    cache.update(torch.zeros(1, 1, 1, d), torch.full((1, 1, 1, d), 100.0), 0)
+    layer.attend(query, 1.0, None, None)  # the first routed step keeps the shard bounds from here on
+    view = layer.view_index()
+    layer.keep(view, view.pos % 4 != 3)  # every token of shard 3 evicted
+    cache.update(torch.zeros(1, 1, 1, d), torch.full((1, 1, 1, d), 200.0), 0)  # position 9
+    summary = layer.policy._summary(layer._group())
+    assert summary.counts[0, 0].tolist() == [3, 3, 2, 0]
+    assert torch.isinf(summary.key_max[0, 0, 3]).all() and (summary.key_max[0, 0, 3] < 0).all()
+    out = layer.attend(query, 1.0, None, None)[0, 0, 0]
+    # held: positions 0, 4, 8 (shard 0: keys 1, 1, 0), 1, 5, 9 (shard 1), 2, 6 (shard 2); shard 0's group {0, 1}
+    # wins on its bound and shard 0 on its own; the window adds position 9
+    held_keys = torch.tensor([[1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    held_values = torch.tensor([[0.0, 0.0], [4.0, 4.0], [100.0, 100.0], [200.0, 200.0]])
+    expected = (held_keys @ query.view(d)).softmax(-1) @ held_values
+    assert torch.allclose(out, expected, atol=1e-5)

@@ -15,7 +15,7 @@ import torch
 
 from pikv_hf.routing.base import ShardSummary
 from pikv_hf.store.paged import PagedStore
-from pikv_hf.store.summary import shard_moments
+from pikv_hf.store.summary import held_bounds, shard_moments
 
 
 class StoreGroup:
@@ -42,11 +42,12 @@ class StoreGroup:
         counts = self._counts()
         centroids, key_var = shard_moments(st.sum, st.sq, counts)
         away = sum(s.stats.count.to(self.device) for s in self.offloaded)
+        key_min, key_max = held_bounds(st.min, st.max, counts)
         return ShardSummary(
             centroids=centroids,
             counts=counts,
-            key_min=st.min,
-            key_max=st.max,
+            key_min=key_min,
+            key_max=key_max,
             resident=(away == 0) if isinstance(away, torch.Tensor) else torch.ones_like(counts, dtype=torch.bool),
             misses=misses,
             key_var=key_var,

@@ -121,11 +121,12 @@ class ShardStats:
             if self._resident is None or self._resident.shape != self.count.shape:
                 self._resident = torch.ones_like(self.count, dtype=torch.bool)
             resident = self._resident
+        key_min, key_max = held_bounds(self.min, self.max, self.count)
         return ShardSummary(
             centroids=centroids,
             counts=self.count,
-            key_min=self.min,
-            key_max=self.max,
+            key_min=key_min,
+            key_max=key_max,
             resident=resident,
             misses=misses,
             key_var=key_var,
@@ -146,3 +147,13 @@ def shard_moments(
     if squares is None:
         return centroids, None
     return centroids, torch.addcmul(squares / n, centroids, centroids, value=-1).clamp_(min=0)
+
+
+def held_bounds(
+    key_min: torch.Tensor, key_max: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key bounds (``[B, H, S, D]``) with every shard that holds no token (``counts`` ``[B, H, S]`` 0) at +inf /
+    -inf: bounds are not recomputed on removal, so a shard emptied by eviction or a crop still carries its old keys'
+    bounds, which a bound score would rank as if those keys were there."""
+    empty = (counts == 0).unsqueeze(-1)
+    return key_min.masked_fill(empty, float("inf")), key_max.masked_fill(empty, float("-inf"))
