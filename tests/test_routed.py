@@ -399,3 +399,25 @@ def test_a_shard_emptied_by_eviction_carries_no_key_bounds():
     held_values = torch.tensor([[0.0, 0.0], [4.0, 4.0], [100.0, 100.0], [200.0, 200.0]])
     expected = (held_keys @ query.view(d)).softmax(-1) @ held_values
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("read", [dict(selector="adaptive", reward_every=1), dict(measure_recall=True)])
+def test_reads_that_measure_recall_refuse_tiers_before_anything_moves(read):
+    """Recall is measured against exact attention over the hot store alone: a press moving tokens into a tier was
+    accepted, then the first rewarded decode step raised a RuntimeError mid-forward. The press is refused (the
+    prefill undone), and so is switching such a read onto a cache that holds tiers."""
+    from pikv_hf.presses import FlexGenPress
+
+    model = tiny_model("llama", seed=0)
+    ids = prompt(40)
+    routed = dict(attention="routed", top_k_shards=2, sparse_from=0)
+    cache = PiKVCache(model, page_size=4, **routed, **read)
+    with torch.no_grad(), FlexGenPress(0.5)(model), pytest.raises(ValueError, match="FlexGenPress: layer 0 reads"):
+        model(ids, past_key_values=cache)
+    assert cache.get_seq_length() == 0 and not any(layer.tiers for layer in cache.layers)
+    offloaded = PiKVCache(model, page_size=4, **routed)
+    with torch.no_grad(), FlexGenPress(0.5)(model):
+        model(ids, past_key_values=offloaded)
+    with pytest.raises(ValueError, match="holds tokens in tiers .* measures recall"):
+        offloaded.set_attention("routed", top_k_shards=2, sparse_from=0, **read)
+    assert offloaded.read.measure_recall is False and offloaded.read.selector == "topk"

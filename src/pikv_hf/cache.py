@@ -30,7 +30,7 @@ from pikv_hf.forward import ForwardState, PagedKV
 from pikv_hf.hf import ForwardAwareCache, attach, detach
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.memory import held_nbytes
-from pikv_hf.read import ReadStats
+from pikv_hf.read import ReadStats, make_policy
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
 from pikv_hf.routing.expert import decoder_layers, num_experts_of
 from pikv_hf.static_layer import StaticPiKVLayer
@@ -268,6 +268,14 @@ class PiKVCache(ForwardAwareCache):
         read = ReadConfig.build(attention, num_shards=self.num_shards, num_layers=len(self.layers), **read_options)
         if self.partition is not None:
             self.partition.check_read(read)
+        for layer in self.layers:
+            reason = make_policy(read, layer.layer_idx).measures_recall() if layer.tiers else None
+            if reason is not None:
+                raise ValueError(
+                    f"layer {layer.layer_idx} holds tokens in tiers ({', '.join(layer.tiers)}) and {reason} measures "
+                    "recall against exact attention over the hot store alone: use measure_recall=False and a selector "
+                    "that does not learn"
+                )
         self.read = read
         for layer in self.layers:
             layer.set_read(read)

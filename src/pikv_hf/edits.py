@@ -94,6 +94,7 @@ class LayerEdits:
         ``"disk"``), where attention still reads them; returns ``[B, H]`` tokens moved."""
         if target not in OFFLOAD_TARGETS:
             raise ValueError(f"target must be one of {', '.join(OFFLOAD_TARGETS)}, got {target!r}")
+        self._check_tiers_allowed()
         frame = self._frame_keep(view, keep)
         self.views.touch()
         return self.stores.offload(frame, target)
@@ -109,10 +110,21 @@ class LayerEdits:
         """Move the hot store's tokens whose entry of ``view`` is not kept to the tier ``name`` (created on first
         use with ``codec`` and pages of ``page_size`` tokens, see ``LayerStores.tier``); attention reads them there.
         Returns ``[B, H]`` tokens moved."""
+        self._check_tiers_allowed()
         frame = self._frame_keep(view, keep)
         self.stores.tier(name, codec, page_size=page_size)
         self.views.touch()
         return self.stores.move(name, frame)
+
+    def _check_tiers_allowed(self) -> None:
+        """``ValueError`` before anything moves when this layer's reads measure recall (over the hot store alone)."""
+        reason = self.policy.measures_recall()
+        if reason is not None:
+            raise ValueError(
+                f"{calling_press()}: layer {self.layer_idx} reads with {reason}, which measures recall against exact "
+                "attention over the hot store alone, so its tokens cannot move into a tier (offload, compression): "
+                "use measure_recall=False and a selector that does not learn"
+            )
 
     def _frame_keep(self, view: DenseView, keep: torch.Tensor) -> torch.Tensor:
         """A keep mask over ``view``'s entries as one over the hot store's frame (``ValueError`` if malformed)."""

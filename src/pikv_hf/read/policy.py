@@ -50,6 +50,16 @@ class ExactRead:
     def learns(self) -> bool:
         return False
 
+    def measures_recall(self) -> str | None:
+        """Why a decode step of this policy measures recall against exact attention (``measure_recall``, a learning
+        selector's reward), or None. Recall is measured over the hot store alone: a layer that does cannot hold
+        tiers."""
+        if not self.sparse:
+            return None
+        if self.config.measure_recall:
+            return "measure_recall=True"
+        return f"selector {self.config.selector!r} (it learns from recall)" if self.learns() else None
+
     def feedback(self, qg: torch.Tensor, recall: torch.Tensor) -> None:
         """Reward a learning selector with the recall of the last plan (``[B, H]``)."""
 
