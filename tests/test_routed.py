@@ -421,3 +421,35 @@ def test_reads_that_measure_recall_refuse_tiers_before_anything_moves(read):
     with pytest.raises(ValueError, match="holds tokens in tiers .* measures recall"):
         offloaded.set_attention("routed", top_k_shards=2, sparse_from=0, **read)
     assert offloaded.read.measure_recall is False and offloaded.read.selector == "topk"
+
+
+def test_a_learning_selector_is_rewarded_by_the_rows_that_read_their_selection():
+    """In a left-padded batch where one row has reached sparse_from and the other reads densely, the dense row's
+    recall (1.0 by construction) was handed to AdaptiveSelector.update as the reward of shards it never read alone;
+    now only the sparse row's recall is."""
+    model = tiny_model("llama", seed=0)
+    gen = torch.Generator().manual_seed(0)
+    ids, mask = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.long)
+    ids[0], mask[0] = torch.randint(3, 256, (40,), generator=gen), 1
+    ids[1, 32:], mask[1, 32:] = torch.randint(3, 256, (8,), generator=gen), 1
+    cache = PiKVCache(
+        model, router="key_cluster", num_shards=8, page_size=1, attention="routed", top_k_shards=1,
+        selector="adaptive", reward_every=1, n_sink=0, window=1, sparse_from=20,
+    )  # fmt: skip
+    policy = cache.layers[1].policy
+    calls = []
+    original = policy.selector.update
+    policy.selector.update = lambda q, summary, selected, reward: (
+        calls.append((q.shape[0], selected.clone(), reward.clone())) or original(q, summary, selected, reward)
+    )
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        model(
+            input_ids=out.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1),
+            position_ids=positions[:, -1:] + 1, past_key_values=cache,
+        )  # fmt: skip
+    ((rows, selected, reward),) = calls
+    _, chosen = policy._last
+    assert rows == 1 and torch.equal(selected, chosen[:1]) and reward.shape[0] == 1
+    assert float(reward.max()) < 1.0  # the sparse row's own recall: one shard of eight does not hold every token

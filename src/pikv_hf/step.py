@@ -126,7 +126,7 @@ class DecodeStep:
             self._record_mass(mass_of, x, out)
         if record:
             self._record(group, plans, parts, sparse)
-            self._learn(group, x, plans[0], sparse)
+            self._learn(group, x, plans[0], sparse, dense_rows)
         return out
 
     @staticmethod
@@ -152,9 +152,12 @@ class DecodeStep:
             )
             step = (0, 0, 0)
 
-    def _learn(self, group: StoreGroup, x: Query, plan: ReadPlan, sparse: bool) -> None:
+    def _learn(
+        self, group: StoreGroup, x: Query, plan: ReadPlan, sparse: bool, dense_rows: torch.Tensor | None = None
+    ) -> None:
         """Recall of the read against exact attention, on the steps that ask for it (``measure_recall``, a learning
-        selector's reward, given for sparse reads only): the only part of a step that reads back to the host."""
+        selector's reward, given for sparse reads only, to the rows that read their selection: not ``dense_rows``):
+        the only part of a step that reads back to the host."""
         cfg = self.policy.config
         learn = False
         if sparse and self.policy.learns():  # counted only here: compiled steps (no learning) mutate no Python state
@@ -165,7 +168,9 @@ class DecodeStep:
         recall = self.recall(group, x, plan)
         self.stats.add_recall(recall)
         if learn:
-            self.policy.feedback(x.grouped(group.heads), recall)
+            rows = None if dense_rows is None else (~dense_rows).nonzero().squeeze(1).to(recall.device)
+            if rows is None or rows.numel():
+                self.policy.feedback(x.grouped(group.heads), recall, rows)
 
     def recall(self, group: StoreGroup, x: Query, plan: ReadPlan) -> torch.Tensor:
         """``[B, H]`` fraction of exact attention's probability mass on the tokens ``plan`` lets the query read."""

@@ -60,8 +60,9 @@ class ExactRead:
             return "measure_recall=True"
         return f"selector {self.config.selector!r} (it learns from recall)" if self.learns() else None
 
-    def feedback(self, qg: torch.Tensor, recall: torch.Tensor) -> None:
-        """Reward a learning selector with the recall of the last plan (``[B, H]``)."""
+    def feedback(self, qg: torch.Tensor, recall: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Reward a learning selector with the recall of the last plan (``[B, H]``), of the batch ``rows`` (``[B']``
+        int64) when given: the rows that read their selection."""
 
     def note_evicted(self, per_shard: torch.Tensor) -> None:
         """Tokens evicted per (row, head, shard) (``[B, H, S]``), for miss counting."""

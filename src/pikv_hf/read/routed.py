@@ -129,8 +129,10 @@ class RoutedRead(SparseRead):
     def learns(self) -> bool:
         return type(self.selector).update is not Selector.update
 
-    def feedback(self, qg: torch.Tensor, recall: torch.Tensor) -> None:
+    def feedback(self, qg: torch.Tensor, recall: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         summary, selected = self._last
+        if rows is not None:
+            summary, selected, qg, recall = summary.rows(rows), selected[rows], qg[rows], recall[rows]
         self.selector.update(qg, summary, selected, recall)
 
     def note_evicted(self, per_shard: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ Shapes use ``B`` batch, ``H`` KV heads, ``q`` new tokens, ``S`` shards, ``D`` ke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,11 @@ class ShardSummary:
     @property
     def num_shards(self) -> int:
         return self.counts.shape[-1]
+
+    def rows(self, index: torch.Tensor) -> ShardSummary:
+        """The summary of the batch rows ``index`` (``[B']`` int64)."""
+        picked = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return ShardSummary(**{n: t if t is None else t.index_select(0, index.to(t.device)) for n, t in picked.items()})
 
     def query_dots(self, query: torch.Tensor) -> torch.Tensor:
         """``[B, H, G, S]`` float32 ``q_g . c_s`` of the query rows ``query`` (``[B, H, G, D]``) with every centroid."""
