@@ -210,6 +210,11 @@ def test_registry() -> None:
         ("adaptive", {"explore": 0.0}, "explore"),
         ("hierarchical", {"num_groups": 0}, "num_groups"),
         ("hierarchical", {"grouping": "random"}, "grouping"),
+        # truncated or coerced by int() before
+        ("hierarchical", {"num_groups": 2.5}, "num_groups must be an integer >= 1, got 2.5"),
+        ("hierarchical", {"top_groups": 1.5}, "top_groups must be an integer >= 1, got 1.5"),
+        ("hierarchical", {"kmeans_iters": "3"}, "kmeans_iters must be an integer >= 0, got '3'"),
+        ("adaptive", {"seed": 1.5}, "seed must be an integer"),
     ]:
         with pytest.raises(ValueError, match=param):
             make_selector(name, **kwargs)
@@ -368,3 +373,8 @@ def test_adaptive_update_bad_input() -> None:
         selector.update(query, summary, selected[:1], 1.0)
     with pytest.raises(ValueError, match="reward"):
         selector.update(query, summary, selected, torch.ones(3))
+    before = selector.log_weights.clone()
+    for reward in (float("nan"), 7.0, -0.5):  # a NaN made every log-weight NaN and the next select() crash
+        with pytest.raises(ValueError, match="reward must be in \\[0, 1\\]"):
+            selector.update(query, summary, selected, reward)
+    assert torch.equal(selector.log_weights, before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pikv_hf.checks import check_seed
 from pikv_hf.routing.base import Selector, ShardSummary, check_select_args
 from pikv_hf.routing.scores import (
     bound_scores,
@@ -61,7 +62,8 @@ class AdaptiveSelector(Selector):
         self.explore = check_weight("explore", explore)
         if not 0 < self.explore <= 1:
             raise ValueError(f"explore must be in (0, 1], got {explore}")
-        self.seed = int(seed)
+        check_seed(seed)
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(self.seed)
         self.log_weights: torch.Tensor | None = None
         self.last_policy: torch.Tensor | None = None
@@ -133,6 +135,8 @@ class AdaptiveSelector(Selector):
             reward = reward.expand(b, h)
         except RuntimeError as err:
             raise ValueError(f"reward must broadcast to [B={b}, H={h}], got shape {tuple(reward.shape)}") from err
+        if not bool(((reward >= 0) & (reward <= 1)).all()):  # NaN fails too: it would poison every weight
+            raise ValueError(f"reward must be in [0, 1], got values in [{float(reward.min())}, {float(reward.max())}]")
         policy = self.policy(h)  # also checks H against the learned weights
         if self.last_policy is not None:
             policy = self.last_policy

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.routing.base import Selector, ShardSummary, check_select_args
 from pikv_hf.routing.scores import check_score_kind, masked_topk, shard_log_probs
 
@@ -128,18 +129,16 @@ class HierarchicalSelector(Selector):
         kmeans_iters: int = 4,
         score: str = "centroid",
     ) -> None:
-        if int(num_groups) < 1:
-            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
-        if top_groups is not None and int(top_groups) < 1:
-            raise ValueError(f"top_groups must be >= 1 or None, got {top_groups}")
+        check_int_at_least("num_groups", num_groups, 1)
+        if top_groups is not None:
+            check_int_at_least("top_groups", top_groups, 1)
         if grouping not in self.GROUPINGS:
             raise ValueError(f"grouping must be one of {', '.join(self.GROUPINGS)}; got {grouping!r}")
-        if int(kmeans_iters) < 0:
-            raise ValueError(f"kmeans_iters must be >= 0, got {kmeans_iters}")
-        self.num_groups = int(num_groups)
-        self.top_groups = None if top_groups is None else int(top_groups)
+        check_int_at_least("kmeans_iters", kmeans_iters, 0)
+        self.num_groups = num_groups
+        self.top_groups = top_groups
         self.grouping = grouping
-        self.kmeans_iters = int(kmeans_iters)
+        self.kmeans_iters = kmeans_iters
         self.score = check_score_kind(score)
 
     def select(self, query: torch.Tensor, summary: ShardSummary, k: int) -> torch.Tensor:
