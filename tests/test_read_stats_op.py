@@ -30,7 +30,7 @@ def _by_hand(attended, pages, n_pages, count, page_size, page_bytes, step):
     ]
     return dict(
         zip(FIELDS, [*step, int(attended.sum()), sum(read), int(n_pages.sum()), int(count.sum()),
-                     sum(read) * page_size, sum(read) * page_bytes, 0], strict=True)
+                     sum(read) * page_size, sum(read) * page_bytes, int(n_pages.sum()) * page_size, 0], strict=True)
     )  # fmt: skip
 
 
@@ -51,11 +51,11 @@ def test_reference_adds_a_stores_read_to_the_counters(exact):
 def test_kernel_equals_reference(shape, exact):
     attended, pages, n_pages, count = _inputs(**shape)
     pages = None if exact else pages
-    got, ref = torch.arange(10, device=KERNEL_DEVICE) * 7, torch.arange(10) * 7
+    got, ref = torch.arange(11, device=KERNEL_DEVICE) * 7, torch.arange(11) * 7
     read_stats._record_launch(got, *on_kernel_device((attended, pages, n_pages, count)), 4, 96, 1, 0, 3)
     read_stats._record_reference(ref, attended, pages, n_pages, count, 4, 96, 1, 0, 3)
     assert torch.equal(got.cpu(), ref)
     torch.library.opcheck(
-        torch.ops.pikv.record_read.default, (torch.zeros(10, dtype=torch.int64), attended, pages, n_pages, count,
+        torch.ops.pikv.record_read.default, (torch.zeros(11, dtype=torch.int64), attended, pages, n_pages, count,
                                              4, 96, 1, 0, 3)
     )  # fmt: skip

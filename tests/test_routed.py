@@ -453,3 +453,24 @@ def test_a_learning_selector_is_rewarded_by_the_rows_that_read_their_selection()
     _, chosen = policy._last
     assert rows == 1 and torch.equal(selected, chosen[:1]) and reward.shape[0] == 1
     assert float(reward.max()) < 1.0  # the sparse row's own recall: one shard of eight does not hold every token
+
+
+def test_page_fill_and_read_fraction_count_each_stores_own_page_size():
+    """A hot store of pages of 16 and a QuantPress tier of pages of 4: ``page_fill`` and ``kv_read_vs_dense``
+    took the page size of the pages read for every page stored (0.685 / 0.778 here against 0.750 / 0.852)."""
+    from pikv_hf.presses import QuantPress
+
+    model = tiny_model("llama", seed=0)
+    cache = PiKVCache(model, page_size=16, attention="routed", top_k_shards=4, n_sink=1, window=2, sparse_from=0)
+    with torch.no_grad():
+        with QuantPress(bits=8, group_size=4, window=20)(model):
+            out = model(prompt(80), past_key_values=cache)
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache)  # one routed decode step
+    layer = cache.layers[0]
+    stores = [layer.store, *layer.tiers.values()]
+    assert sorted({s.page_size for s in stores}) == [4, 16]
+    tokens = sum(int(s.stats.count.sum()) for s in stores)
+    slots = sum(int(s.table.n_pages.sum()) * s.page_size for s in stores)
+    stats = cache.routing_stats()["per_layer"][0]
+    assert stats["page_fill"] == pytest.approx(tokens / slots)
+    assert stats["kv_read_vs_dense"] == pytest.approx(layer.read_stats.counts()["slots_gathered"] / slots)

@@ -40,6 +40,7 @@ def _record_kernel(
     tl.atomic_add(total_ptr + FIRST + 3, tokens)
     tl.atomic_add(total_ptr + FIRST + 4, read * page_size)
     tl.atomic_add(total_ptr + FIRST + 5, read * page_bytes)
+    tl.atomic_add(total_ptr + FIRST + 6, stored * page_size)
     if bh == 0:
         tl.atomic_add(total_ptr, steps)
         tl.atomic_add(total_ptr + 1, sparse_steps)
@@ -48,7 +49,7 @@ def _record_kernel(
 
 def _record_reference(total, attended, pages, n_pages, count, page_size, page_bytes, steps, sparse_steps, heads):
     read = n_pages if pages is None else (pages >= 0).sum(-1)
-    rows = [attended, read, n_pages, count.sum(-1), read * page_size, read * page_bytes]
+    rows = [attended, read, n_pages, count.sum(-1), read * page_size, read * page_bytes, n_pages * page_size]
     total[_FIRST : _FIRST + len(rows)].add_(torch.stack(rows).sum((1, 2)))  # in place through the view
     for i, n in enumerate((steps, sparse_steps, heads)):  # scalars, no host tensor (a CUDA graph may capture this)
         if n:
@@ -74,7 +75,7 @@ record_read = torch.library.custom_op(
     schema="(Tensor(a!) total, Tensor attended, Tensor? pages, Tensor n_pages, Tensor count, int page_size, "
     "int page_bytes, int steps, int sparse_steps, int heads) -> ()",
 )  # fmt: skip
-record_read.__doc__ = """``torch.ops.pikv.record_read(total [10] int64, attended [B, H], pages [B, H, n] or None,
+record_read.__doc__ = """``torch.ops.pikv.record_read(total [11] int64, attended [B, H], pages [B, H, n] or None,
 n_pages [B, H], count [B, H, S], page_size, page_bytes, steps, sparse_steps, heads)``: adds one store's read to the
 counters ``total`` in place (module docstring)."""
 

@@ -21,6 +21,7 @@ FIELDS = (
     "tokens_stored",
     "slots_gathered",  # pages read x page size
     "bytes_fetched",  # key/value bytes of pages read from tiers on another device (offload)
+    "slots_stored",  # pages stored x page size (stores of different page sizes: each its own)
     "dense_passes",  # dense attention weights computed besides the read (output_attentions)
 )
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
@@ -115,7 +116,6 @@ class ReadStats:
         """
         c = self.counts()
         read = c["steps"] > 0
-        page_size = c["slots_gathered"] / max(1, c["pages_gathered"])  # every page read moves its page's slots
         return {
             "layer_steps": c["steps"],
             "sparse_layer_steps": c["sparse_steps"],
@@ -123,8 +123,8 @@ class ReadStats:
             "selected_tokens_per_head": c["tokens_attended"] / max(1, c["heads"]),
             "fraction_tokens_attended": c["tokens_attended"] / max(1, c["tokens_stored"]) if read else 1.0,
             "fraction_pages_read": c["pages_gathered"] / max(1, c["pages_stored"]) if read else 1.0,
-            "kv_read_vs_dense": c["slots_gathered"] / max(1.0, c["pages_stored"] * page_size) if read else 1.0,
-            "page_fill": c["tokens_stored"] / max(1.0, c["pages_stored"] * page_size) if read else float("nan"),
+            "kv_read_vs_dense": c["slots_gathered"] / max(1, c["slots_stored"]) if read else 1.0,
+            "page_fill": c["tokens_stored"] / max(1, c["slots_stored"]) if read else float("nan"),
             "recall": self.recall_sum / self.recall_heads if self.recall_heads else float("nan"),
             "bytes_fetched_per_layer_step": c["bytes_fetched"] / max(1, c["steps"]),
         }
