@@ -191,6 +191,7 @@ class PiKVCache(ForwardAwareCache):
                 read,
                 self.backend,
                 is_sliding=sliding[i],
+                sliding_window=getattr(text_config, "sliding_window", None),
                 attention_module=modules[i],
                 forward=self._forward,
                 **mode,

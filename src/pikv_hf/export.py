@@ -35,7 +35,10 @@ class _Structure:
             cache.num_shards,
             cache.page_size,
             cache.read,
-            tuple((la.max_cache_len, la.is_sliding, la.shard_groups, la.track_stats) for la in cache.layers),
+            tuple(
+                (la.max_cache_len, la.is_sliding, la.sliding_window, la.shard_groups, la.track_stats)
+                for la in cache.layers
+            ),
         )
 
     def __eq__(self, other: object) -> bool:

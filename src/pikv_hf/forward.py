@@ -20,6 +20,7 @@ class PagedLayer(Protocol):
     layer_idx: int
     store: PagedStore | None
     has_view: bool
+    sliding_window: int | None
 
     def kv_length(self) -> int: ...
     def view(self) -> DenseView | None: ...

@@ -161,6 +161,8 @@ def pikv_attention(
     if kwargs.get("softcap") is not None:
         raise ValueError("pikv attention does not implement logit soft-capping (softcap)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if sliding_window is None:  # a model that applies its window through the mask alone (Qwen2-MoE, PhiMoE)
+        sliding_window = layer.sliding_window
     out = layer.attend(query, scale, sliding_window, s_aux)
     weights = None
     if layer.has_view and wants_attention_weights(module, query.shape[2]):  # partitions have no dense view

@@ -52,6 +52,10 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         Attention backend (shared by the layers of a cache; default: a fresh torch reference backend).
     is_sliding : bool
         Whether the model's layer uses sliding-window attention (as ``DynamicCache(config)`` reports it).
+    sliding_window : int, optional
+        The window of a sliding layer (the config's ``sliding_window``): attention applies it when the model does not
+        pass one to the attention function (Qwen2-MoE and PhiMoE apply theirs through the mask alone, which a PiKV
+        forward does not build).
     attention_module : torch.nn.Module, optional
         The model's attention module of this layer (weakly referenced): head-wise kvpress presses leave their key
         masks on it (``masked_key_indices``), which the layer turns into evictions.
@@ -78,6 +82,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         read: ReadConfig | None = None,
         backend: TorchBackend | None = None,
         is_sliding: bool = False,
+        sliding_window: int | None = None,
         attention_module: torch.nn.Module | None = None,
         forward: ForwardState | None = None,
     ) -> None:
@@ -86,6 +91,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.views = LayerViews(self)
         super().__init__()  # sets keys / values to None: ignored by the setters while nothing is stored
         self.is_sliding = is_sliding
+        self.sliding_window = sliding_window if is_sliding else None
         self._module = None if attention_module is None else weakref.ref(attention_module)
         self.layer_idx = layer_idx
         self.placement = placement
