@@ -99,6 +99,28 @@ def test_output_attentions_and_custom_4d_mask_with_a_pikv_cache(arch):
             model(prompt(1, seed=3), past_key_values=cache, attention_mask=torch.zeros(1, 1, 1, 17))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_output_attentions_of_a_left_padded_batch_are_laid_out_by_position(arch):
+    """Column j is position j, as over a DynamicCache (zero at the padding): the weights were over each row's tokens
+    packed from its first real one, [2, Hq, 10, 8] where eager over a DynamicCache returns [2, Hq, 10, 10]."""
+    ref, model = _eager(arch), _eager(arch)
+    ids = prompt(10, batch=2)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = mask[1, :2] = 0
+    cache = PiKVCache(model)
+    with torch.no_grad():
+        a = ref(ids, attention_mask=mask, past_key_values=(dyn := DynamicCache()), output_attentions=True)
+        b = model(ids, attention_mask=mask, past_key_values=cache, output_attentions=True)
+        step = dict(attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1), output_attentions=True)
+        c = ref(prompt(1, batch=2, seed=4), past_key_values=dyn, **step)
+        d = model(prompt(1, batch=2, seed=4), past_key_values=cache, **step)
+    real = mask.bool()[:, None, :, None]  # padding queries see nothing: zeros here, a uniform row over DynamicCache
+    for x, y in zip(a.attentions, b.attentions, strict=True):
+        assert x.shape == y.shape and torch.where(real, x - y, 0).abs().max() < 1e-5
+        assert torch.equal(torch.where(real, 0, y), torch.zeros_like(y))
+    assert all((x - y).abs().max() < 1e-5 for x, y in zip(c.attentions, d.attentions, strict=True))
+
+
 def test_eager_only_press_runs_on_a_pikv_cache():
     # ObservedAttentionPress reads the attention weights that only an eager attention returns
     ref, model = _eager("llama"), _eager("llama")

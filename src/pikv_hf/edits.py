@@ -18,7 +18,7 @@ from pikv_hf.checks import calling_press, check_tensor
 from pikv_hf.codecs import Codec
 from pikv_hf.store import STAT_FIELDS
 from pikv_hf.store.tiers import OFFLOAD_TARGETS
-from pikv_hf.view import DenseView, positional_kv
+from pikv_hf.view import DenseView, positional_kv, positional_weights
 
 
 class LayerEdits:
@@ -45,9 +45,10 @@ class LayerEdits:
     def attention_weights(
         self, query: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None
     ) -> torch.Tensor:
-        """``[B, Hq, q, T]`` attention probabilities of the latest update's queries over the entries of :meth:`view`
-        (what an eager attention returns over a ``DynamicCache``), computed only when a caller asks for them; a
-        decode step of a sparse cache counts it in ``routing_stats`` (``dense_passes``)."""
+        """``[B, Hq, q, T]`` attention probabilities of the latest update's queries over the ``T`` positions seen,
+        column ``j`` position ``j`` (what an eager attention returns over a ``DynamicCache``: zero at left padding and
+        at evicted positions), computed only when a caller asks for them; a decode step of a sparse cache counts it
+        in ``routing_stats`` (``dense_passes``)."""
         v = self.view()
         b, hq, q, dk = query.shape
         h = v.keys.shape[1]
@@ -58,9 +59,10 @@ class LayerEdits:
         lse = logits.logsumexp(-1, keepdim=True)
         if sinks is not None:
             lse = torch.logaddexp(lse, sinks.float().view(1, hq, 1, 1))
+        lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # a query that sees nothing (left padding): zeros, not NaN
         if q == 1 and self.read.sparse:
             self.read_stats.add(self.store.device, dense_passes=1)
-        return torch.exp(logits - lse).to(query.dtype)
+        return positional_weights(torch.exp(logits - lse), v, self.kv_length()).to(query.dtype)
 
     def end_forward(self) -> None:
         """The model forward ended (also by an exception): drop what only it needed, so that the layer references

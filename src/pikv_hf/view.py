@@ -143,6 +143,30 @@ def positional_kv(view: DenseView, length: int) -> tuple[torch.Tensor, torch.Ten
     return out[0], out[1]
 
 
+def positional_weights(weights: torch.Tensor, view: DenseView, length: int) -> torch.Tensor:
+    """Attention probabilities over ``view``'s entries (``[B, Hq, q, T]``, query heads grouped by KV head) laid out
+    by position (``[B, Hq, q, length]``, zero at positions not held: left padding, evicted tokens): what an eager
+    attention returns over a ``DynamicCache``. Inverse: :func:`view_weights`."""
+    b, hq, q, t = weights.shape
+    at = _head_columns(view, hq, q)
+    return weights.new_zeros(b, hq, q, length).scatter_add_(3, at, weights * _head_columns(view, hq, q, valid=True))
+
+
+def view_weights(weights: torch.Tensor, view: DenseView) -> torch.Tensor:
+    """Positional attention probabilities (``[B, Hq, q, length]``) read at ``view``'s entries (``[B, Hq, q, T]``, 0
+    at entries that hold no token)."""
+    b, hq, q, _ = weights.shape
+    return weights.gather(3, _head_columns(view, hq, q)) * _head_columns(view, hq, q, valid=True)
+
+
+def _head_columns(view: DenseView, hq: int, q: int, valid: bool = False) -> torch.Tensor:
+    """``view.pos`` (clamped at 0), or ``view.valid`` with ``valid``, repeated for the query heads of each KV head and
+    the ``q`` queries: ``[B, Hq, q, T]``."""
+    b, h, t = view.pos.shape
+    x = view.valid if valid else view.pos.clamp(min=0).long()
+    return x.unsqueeze(2).unsqueeze(3).expand(b, h, hq // h, q, t).reshape(b, hq, q, t)
+
+
 def prefix_length(new: torch.Tensor, given: torch.Tensor) -> int | None:
     """``n`` if ``new`` is ``given[:, :, :n]`` (a view of the same memory), else None."""
     if new.dim() != 4 or new.shape[:2] != given.shape[:2] or new.shape[3] != given.shape[3]:

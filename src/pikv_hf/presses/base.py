@@ -37,7 +37,7 @@ from pikv_hf.layer import PiKVLayer
 from pikv_hf.routing.expert import decoder_layers
 from pikv_hf.routing.scores import descending_rank
 from pikv_hf.store.tiers import OFFLOAD_TARGETS
-from pikv_hf.view import DenseView
+from pikv_hf.view import DenseView, view_weights
 
 SHARD_BUDGETS = ("global", "proportional")
 
@@ -127,6 +127,7 @@ def kvpress_scores(
     q = hidden.shape[1]
     counts = view.count.amax(-1).tolist()  # tokens per row (prefill: a host read)
     if all(n >= q for n in counts) or view.keys.shape[2] != q:
+        attentions = None if attentions is None else view_weights(attentions, view)  # positional -> the view's
         return scorer.score(module, hidden, view.keys, view.values, attentions, kwargs)
     scores = torch.full(view.valid.shape, float("-inf"), device=hidden.device)
     rope = kwargs.get("position_embeddings")
