@@ -93,6 +93,14 @@ def main() -> None:
             results[bad["name"]] = {"error": None}
         except ValueError as err:
             results[bad["name"]] = {"error": str(err)}
+    differ = spec.get("set_attention")  # every rank switches its reads, one rank with another budget
+    if differ is not None:
+        cache = cache_for(tiny_model(spec["cases"][0][0]), "exact", ShardPlan.for_ranks(NUM_SHARDS))
+        try:
+            cache.set_attention("routed", top_k_shards=differ["top_k_shards"] if rank == differ["rank"] else 2)
+            results["set_attention"] = {"error": None, "read": cache.read.attention}
+        except ValueError as err:
+            results["set_attention"] = {"error": str(err), "read": cache.read.attention}
     torch.save(results, Path(spec["out"]) / f"rank{rank}.pt")
     sys.stdout.flush()
     if any("elapsed" in r for r in results.values()):

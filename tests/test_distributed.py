@@ -126,7 +126,7 @@ def test_split_shards_follows_memory():
     assert split_shards(8, {"cuda:0": 1, "cuda:1": 3}) == {s: "cuda:0" if s < 2 else "cuda:1" for s in range(8)}
     assert list(split_shards(5, {"a": 1, "b": 1, "c": 1}).values()) == ["a", "a", "b", "b", "c"]
     assert set(split_shards(2, {"a": 1, "b": 1, "c": 10}).values()) == {"c"}  # shares that round to nothing
-    with pytest.raises(ValueError, match="weights must hold at least one positive value"):
+    with pytest.raises(ValueError, match="weights must hold finite numbers, at least one positive"):
         split_shards(4, {"a": 0})
 
 
@@ -204,7 +204,15 @@ def test_store_append_with_present_stores_only_those_tokens():
             "rank must be an integer in \\[0, world_size=2\\)",
         ),
         (lambda: ShardPlan.for_ranks(4), ValueError, "needs world_size and rank, or an initialised torch.distributed"),
-        (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=0), ValueError, "timeout must be a positive number"),
+        (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=0), ValueError, "timeout must be a number of seconds in"),
+        # an infinite or huge timeout overflowed in the collective's timer (inf: OverflowError at the cache)
+        (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=float("inf")), ValueError, "timeout must be .* got inf"),
+        (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=1e10), ValueError, "timeout must be"),
+        (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=True), ValueError, "timeout must be .* got True"),
+        # a string was iterated by character ("names device 'c'")
+        (lambda: ShardPlan.for_devices(4, "cpu"), TypeError, "devices must be a list of devices .* got 'cpu'"),
+        (lambda: split_shards(4, {"cpu": float("nan")}), ValueError, "weights must hold finite numbers"),
+        (lambda: split_shards(4, {"a": float("inf"), "b": 1}), ValueError, "weights must hold finite numbers"),
         # built by hand: checked as the classmethods' plans (they failed inside a forward with torch's errors)
         (lambda: ShardPlan((0, 1, 0, 1), ("cpu", "cuda:3")), ValueError, "names device 'cuda:3', but this process"),
         (lambda: ShardPlan((0, 1), ("cpu", "meta")), ValueError, "names device 'meta', which holds no data"),
@@ -255,6 +263,31 @@ def test_partitioned_cache_refuses_quest_eviction_and_crop():
         cache.crop(5)
     cache.set_attention("routed", top_k_shards=1)
     assert cache.fork().partition is cache.partition
+
+
+def test_dense_reads_on_a_partitioned_cache_are_refused_before_any_layer_stores():
+    """A custom 4-D mask, output_attentions and a direct update() need a dense view, which a partitioned layer has
+    not: they were refused after layer 0 had stored the chunk (and the undo, a crop, was refused too: the cache was
+    left out of step), or in the case of output_attentions not at all (no weights, no error)."""
+    _, model = model_pair("llama")
+    plan = ShardPlan.for_devices(4, ["cpu", "cpu"])
+    cache = PiKVCache(model, num_shards=4, page_size=2, partition=plan)
+    ids = prompt(9)
+    with torch.no_grad():
+        model(ids[:, :6], past_key_values=cache)
+        mask = torch.zeros(1, 1, 3, 9)
+        mask[..., 6:] = torch.triu(torch.full((3, 3), float("-inf")), 1)
+        with pytest.raises(RuntimeError, match="a custom 4-D attention_mask .* not supported on a partitioned cache"):
+            model(ids[:, 6:], attention_mask=mask, past_key_values=cache)
+        with pytest.raises(RuntimeError, match="output_attentions .* not supported on a partitioned cache"):
+            model(ids[:, 6:], past_key_values=cache, output_attentions=True)
+        assert [layer.seen for layer in cache.layers] == [6] * len(cache.layers) and cache.out_of_step is None
+        model(ids[:, 6:], past_key_values=cache)  # the cache goes on
+    assert cache.get_seq_length() == 9
+    fresh = PiKVCache(model.config, num_shards=4, page_size=2, partition=plan)
+    with pytest.raises(RuntimeError, match="update\\(\\) outside a model forward"):
+        fresh.update(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), 0)
+    assert fresh.layers[0].store is None
 
 
 def test_a_partition_that_plans_no_page_reads_nothing():

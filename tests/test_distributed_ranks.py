@@ -61,7 +61,7 @@ def test_ranks_match_single_process_prefill_and_50_decode_steps(tmp_path, world)
         {"name": "page_size", "rank": 1, "cache": {"page_size": 8}},
         {"name": "model", "rank": world - 1, "model": {"rms_norm_eps": 1e-3}},
     ]
-    spec = _spec(tmp_path, cases=CASES, timeout=60, mismatch=mismatch)
+    spec = _spec(tmp_path, cases=CASES, timeout=60, mismatch=mismatch, set_attention={"rank": 1, "top_k_shards": 1})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", f"--nproc-per-node={world}"]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(TESTS / "dist_worker.py"), str(spec)]
     proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -100,6 +100,10 @@ def test_ranks_match_single_process_prefill_and_50_decode_steps(tmp_path, world)
         )
         assert "model config (digest)" in res["model"]["error"], res["model"]["error"]
         assert f"rank {r} of {world}" in res["model"]["error"]
+        # set_attention with settings that differ between ranks: refused everywhere (ranks merged partials of two
+        # read policies before), every rank's read unchanged
+        assert "read.top_k_shards: '2' on ranks" in res["set_attention"]["error"], res["set_attention"]
+        assert res["set_attention"]["read"] == "exact"
 
 
 @pytest.mark.parametrize("kind", ["kill", "stall"])

@@ -223,6 +223,12 @@ class PiKVCache(ForwardAwareCache):
             )
         attach(model)
 
+    def check_dense_reads(self, custom_mask: bool, attention_weights: bool) -> None:
+        viewless = next((layer for layer in self.layers if not layer.has_view), None)
+        if viewless is not None:
+            what = "a custom 4-D attention_mask" if custom_mask else "output_attentions"
+            raise viewless.refusal(f"{what} (read over a dense keys / values view)")
+
     def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
         """Called by the decoder's forward hook before the layers run: the padding among the ``new_tokens`` (the
         last columns of the 2-D ``attention_mask``; left padding takes no slot) and whether the forward runs the
@@ -264,7 +270,9 @@ class PiKVCache(ForwardAwareCache):
     def set_attention(self, attention: str | ReadConfig = "exact", **read_options: Any) -> None:
         """Switch every layer's decode-time reads (arguments as in the constructor).
 
-        Stored tokens are kept; selectors and routing statistics start fresh. Raises before changing anything.
+        Stored tokens are kept; selectors and routing statistics start fresh. Raises before changing anything. On a
+        cache partitioned over ranks it is collective: every rank calls it with the same settings (checked, as when
+        the caches were built; a rank that does not call it leaves the others waiting until the plan's timeout).
         """
         read = ReadConfig.build(attention, num_shards=self.num_shards, num_layers=len(self.layers), **read_options)
         if self.partition is not None:

@@ -47,6 +47,11 @@ class ForwardAwareCache(Cache):
     def end_forward(self) -> None:
         raise NotImplementedError
 
+    def check_dense_reads(self, custom_mask: bool, attention_weights: bool) -> None:
+        """Raise before a forward that brings a custom 4-D attention mask or asks for the attention weights when a
+        layer cannot give them (both are read over a dense view of the layer, which a partitioned layer does not
+        have)."""
+
     def undo_partial_forward(self) -> None:
         """After a forward that raised: the layers that stored its tokens before the failure drop them again (a crop
         to the shortest layer; a reset if that is empty), so that every layer holds the same positions."""
@@ -232,6 +237,11 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
         _PIKV_FORWARDS.append(pikv)
         if cache.out_of_step is not None:  # after the pushes: the forward hook pops them as the forward fails
             raise RuntimeError(f"{type(cache).__name__} is out of step: {cache.out_of_step}; call reset() on it")
+        weights = argument("output_attentions", args, kwargs)
+        weights = getattr(module.config, "output_attentions", False) if weights is None else weights
+        custom = isinstance(mask, torch.Tensor) and mask.dim() == 4
+        if pikv and (custom or weights):
+            cache.check_dense_reads(custom, bool(weights))  # before any layer stores
         return replaced
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -121,7 +121,14 @@ class Communicator:
         gathered = [g.cpu() for g in self._all_gather(packed, "the cache settings (setup check)")]
         problems = []
         for i, name in enumerate(names):
-            values = [bytes(g[i].tolist()).rstrip(b"\0").decode() for g in gathered]
+            try:
+                values = [bytes(g[i].tolist()).rstrip(b"\0").decode() for g in gathered]
+            except UnicodeDecodeError:  # another rank's all-gather was not this one: the ranks made different calls
+                raise CollectiveError(
+                    f"pikv_hf.distributed: rank {self.rank} of {self.world_size} checked the cache settings while "
+                    "another rank ran a different collective: every rank must make the same calls (build the cache, "
+                    "set_attention, forwards) in the same order"
+                ) from None
             if len(set(values)) > 1:
                 by_value: dict[str, list[int]] = {}
                 for r, v in enumerate(values):

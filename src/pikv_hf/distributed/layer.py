@@ -45,6 +45,11 @@ class PartitionedLayer(PiKVLayer):
             "devices or ranks)"
         )
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs=None):
+        if not self.forward.active:  # a direct call returns the dense keys / values: refused before storing
+            raise self.refusal("update() outside a model forward (it returns the dense keys / values)")
+        return super().update(key_states, value_states, cache_kwargs)
+
     def view(self):
         if self.store is None:
             return None

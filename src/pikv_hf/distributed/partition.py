@@ -148,7 +148,9 @@ class Partition:
         return PartitionedStore(self.plan, *args, **kwargs)
 
     def check_read(self, read: ReadConfig) -> None:
-        """Raise ``ValueError`` for read settings that need every token in one place."""
+        """Raise ``ValueError`` for read settings that need every token in one place; bound over ranks (``comm``),
+        also for settings that differ between the ranks (one all-gather: every rank must call this, as
+        ``PiKVCache.set_attention`` does, with the same settings)."""
         if read.attention == "quest":
             raise ValueError(
                 "attention='quest' is not supported with a partition: Quest's page budget per (row, KV head) "
@@ -163,6 +165,8 @@ class Partition:
                     f"selector {read.selector!r} learns from recall, which a partition does not measure; "
                     "use a stateless selector"
                 )
+        if self.comm is not None:
+            self.comm.check_same({f"read.{k}": v for k, v in dataclasses.asdict(read).items()})
 
     def gather(self, layer_idx: int):
         """The cross-rank merge of a layer's attention (``DecodeStep``'s ``remote``): every rank's partials."""

@@ -14,6 +14,7 @@ attention of a cache.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from pikv_hf.checks import check_int_at_least
 
 DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 7 * 86400.0  # a week: far beyond any collective, well inside what the backends' timers hold
 
 
 def check_device(device: str | int | torch.device) -> torch.device:
@@ -50,9 +52,13 @@ def split_shards(num_shards: int, weights: Mapping[str, float]) -> dict[int, str
     """``{shard: device}``: contiguous blocks of shards, sized in proportion to ``weights`` (largest remainder;
     ties go to the earlier device). Devices whose share rounds to no shard are left out."""
     check_int_at_least("num_shards", num_shards, 1)
-    total = float(sum(weights.values()))
-    if not weights or total <= 0 or any(w < 0 for w in weights.values()):
-        raise ValueError(f"weights must hold at least one positive value and no negative one, got {dict(weights)}")
+    values = list(weights.values())
+    numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in values)
+    if not values or not numbers or sum(values) <= 0 or any(w < 0 for w in values):
+        raise ValueError(
+            f"weights must hold finite numbers, at least one positive and no negative one, got {dict(weights)}"
+        )
+    total = float(sum(values))
     exact = {d: num_shards * w / total for d, w in weights.items()}
     count = {d: int(e) for d, e in exact.items()}
     by_remainder = sorted(weights, key=lambda d: -(exact[d] - count[d]))  # stable: ties keep the device order
@@ -113,8 +119,9 @@ class ShardPlan:
             )
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={self.world_size}), got {self.rank!r}")
-        if not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        t = self.timeout
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {t!r}")
         for p in self.local_partitions:  # a plan built by hand: its devices are checked as the classmethods' are
             if self.devices[p] is not None:
                 check_device(self.devices[p])
@@ -156,6 +163,8 @@ class ShardPlan:
                 )
             world_size = dist.get_world_size(group) if world_size is None else world_size
             rank = dist.get_rank(group) if rank is None else rank
+            if rank < 0 or world_size < 0:  # torch.distributed's answer on a process outside `group`
+                raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group!r}")
         check_int_at_least("world_size", world_size, 1)
         if num_shards % world_size:
             raise ValueError(
@@ -188,6 +197,8 @@ class ShardPlan:
             names = [str(check_device(devices[s])) for s in range(num_shards)]
             distinct = list(dict.fromkeys(names))
             return cls(tuple(distinct.index(n) for n in names), tuple(distinct))
+        if isinstance(devices, (str, torch.device)):
+            raise TypeError(f"devices must be a list of devices (or a shard -> device map), got {devices!r}")
         devices = list(devices)
         if not 1 <= len(devices) <= num_shards:
             raise ValueError(f"devices must list 1 to num_shards={num_shards} devices, got {len(devices)}")
