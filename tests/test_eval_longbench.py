@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from pathlib import Path
@@ -129,6 +130,24 @@ def test_bad_input_is_reported_clearly():
         longbench.resolve_datasets("hotpotqa,nope")
     assert longbench.base_dataset("hotpotqa_e") == "hotpotqa"
     assert len(longbench.resolve_datasets("all")) == 21
+
+
+@pytest.mark.parametrize(
+    ("name", "fields", "message"),
+    [
+        ("trec", {"all_classes": None}, "trec is scored by class: 'all_classes' must list class names, got None"),
+        ("lsht", {"all_classes": []}, "must list class names, got \\[\\]"),
+        ("passage_retrieval_en", {"answers": ["the third one"]}, "must name its paragraph \\('Paragraph N'\\)"),
+        ("passage_retrieval_zh", {"answers": ["Paragraph 3"]}, "must name its paragraph \\('段落N'\\)"),
+    ],
+)
+def test_rows_the_metric_cannot_score_are_refused_when_loaded(tmp_path, name, fields, message):
+    """The scorer raised on such rows after the model had answered the first of them (a traceback mid-run)."""
+    row = {"input": "q", "context": "c", "answers": ["Paragraph 3", "段落3"], "length": 1, "dataset": name,
+           "language": "en", "all_classes": ["a", "b"], "_id": "x", **fields}  # fmt: skip
+    (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=message):
+        longbench.load_dataset_rows(name, str(tmp_path))
 
 
 def test_hub_failure_names_the_local_alternative(monkeypatch):

@@ -228,6 +228,8 @@ def _points(rows):
             r"mass_target must be None or a number in \(0, 1\]",
         ),
         (["--suite", "ruler", "--cache", "paged"], "cache must be one of"),
+        # both keyed "0.25": one point answered, the other silently missing
+        (["--suite", "ruler", "--press", "knorm", "--ratio", "0.25", "0.2500001"], "one point to 6 significant"),
         # a named model's layers are known before it loads (this was a traceback after writing run_config.json)
         (
             ["--suite", "ruler", "--cache", "pikv", "--press", "pikv_routed", "--dense-layers", "31"],
@@ -260,6 +262,16 @@ def test_bad_input_fails_clearly_before_writing(tmp_path, capsys, args, message)
     assert len(err) == 1 and err[0].startswith("pikv-hf eval: error: ")
     assert re.search(message, err[0])
     assert not out.exists()
+
+
+def test_routed_ratio_of_a_path_model_is_checked_before_it_loads(model_dir, tmp_path, capsys):
+    """A PATH model's shard count comes from its config.json: a ratio that skips no whole number of shards was a
+    traceback after the model loaded and the 'none' rows were written."""
+    out = tmp_path / "never"
+    args = ["--model", model_dir, "--cache", "pikv", "--press", "none", "pikv_routed", "--ratio", "0.3"]
+    assert cli_main(["eval", "--suite", "ruler", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "must skip a whole number of the 8 shards" in err[0] and not out.exists()
 
 
 def test_output_directory_of_another_configuration_is_refused(model_dir, tmp_path):

@@ -130,9 +130,13 @@ class EvalConfig:
                 raise ValueError(f"press {press!r} reads a PiKVCache at decode time: it needs --cache pikv")
         if not self.ratios:
             raise ValueError("ratio must be given at least once")
+        keyed: dict[str, float] = {}
         for ratio in self.ratios:
             if not 0.0 <= ratio < 1.0:
                 raise ValueError(f"ratio must be in [0, 1), got {ratio}")
+            other = keyed.setdefault(f"{ratio:g}", ratio)  # a point's results are keyed by the ratio's 6 digits
+            if other != ratio:
+                raise ValueError(f"ratio values {other} and {ratio} are one point to 6 significant digits: give one")
         if self.num_shards is not None:
             check_num_shards(self.num_shards)
         check_seed(self.seed)
@@ -155,7 +159,7 @@ class EvalConfig:
         if self.cache == "pikv":
             shards = self.shards()
             for press, ratio in self.points():
-                if press == "pikv_quest" or (press == "pikv_routed" and shards is not None):
+                if press in ("pikv_quest", "pikv_routed"):
                     self.point_read(press, ratio, shards).validated(shards, None)
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
@@ -193,15 +197,18 @@ class EvalConfig:
             return self.model == "smollm2-moe"
         return num_experts_of(self.model_config()) is not None
 
-    def shards(self) -> int | None:
-        """PiKVCache's shard count for the named models (None for a ``PATH`` model without ``num_shards``)."""
+    def shards(self) -> int:
+        """PiKVCache's shard count: ``num_shards``, else the model's experts (a ``PATH`` model: its
+        ``config.json``), else ``PiKVCache``'s default for a dense model."""
         from pikv_hf.cache import DEFAULT_DENSE_SHARDS
 
         if self.num_shards is not None:
             return self.num_shards
-        return {"smollm2": DEFAULT_DENSE_SHARDS, "smollm2-moe": self.num_experts}.get(self.model)
+        if self.model in MODEL_NAMES:
+            return self.num_experts if self.model == "smollm2-moe" else DEFAULT_DENSE_SHARDS
+        return num_experts_of(self.model_config()) or DEFAULT_DENSE_SHARDS
 
-    def point_read(self, press: str, ratio: float, shards: int | None) -> ReadConfig:
+    def point_read(self, press: str, ratio: float, shards: int) -> ReadConfig:
         """The ``ReadConfig`` of a ``--cache pikv`` point: ``none`` exact, ``pikv_routed``
         ``top_k_shards = (1 - ratio) * shards`` (a whole number in ``[1, shards]``), ``pikv_quest``
         ``read_fraction = 1 - ratio``; sparse points read sparsely from the first decode step unless

@@ -18,6 +18,7 @@ Local data: a directory with one ``{dataset}.jsonl`` per dataset in the official
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from pikv_hf.eval.metrics import METRICS
@@ -180,8 +181,9 @@ def resolve_datasets(spec: str) -> list[str]:
     return names
 
 
-def validate_row(row: dict, where: str) -> dict:
-    """Check that a row has the official fields with the right types.
+def validate_row(row: dict, where: str, name: str | None = None) -> dict:
+    """Check that a row has the official fields with the right types, and what dataset ``name``'s metric reads:
+    class names for classification (trec, lsht), a ``Paragraph N`` (``段落N``) reference for retrieval.
 
     Parameters
     ----------
@@ -189,6 +191,8 @@ def validate_row(row: dict, where: str) -> dict:
         One JSON record.
     where : str
         File and line, for the error message.
+    name : str, optional
+        Dataset name (its metric's needs are checked when given).
 
     Returns
     -------
@@ -206,6 +210,14 @@ def validate_row(row: dict, where: str) -> dict:
         raise ValueError(f"{where}: fields 'context' and 'input' must be strings")
     if row["all_classes"] is not None and not isinstance(row["all_classes"], list):
         raise ValueError(f"{where}: field 'all_classes' must be a list or null, got {row['all_classes']!r}")
+    metric = DATASET_METRIC.get(base_dataset(name)) if name is not None else None
+    if metric == "classification" and not (row["all_classes"] and all(isinstance(c, str) for c in row["all_classes"])):
+        classes = row["all_classes"]
+        raise ValueError(f"{where}: {name} is scored by class: 'all_classes' must list class names, got {classes!r}")
+    marker = {"retrieval": r"Paragraph (\d+)", "retrieval_zh": r"段落(\d+)"}.get(metric)
+    if marker is not None and not all(re.search(marker, str(a)) for a in row["answers"]):
+        shown = marker.replace(r"(\d+)", "N")
+        raise ValueError(f"{where}: every answer of {name} must name its paragraph ('{shown}'), got {row['answers']!r}")
     return row
 
 
@@ -240,7 +252,7 @@ def load_dataset_rows(name: str, local_dir: str | None = None) -> list[dict]:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({err})") from err
-                rows.append(validate_row(row, f"{path}:{lineno}"))
+                rows.append(validate_row(row, f"{path}:{lineno}", name))
         if not rows:
             raise ValueError(f"longbench_dir: {path} holds no rows")
         return rows
@@ -263,7 +275,7 @@ def load_dataset_rows(name: str, local_dir: str | None = None) -> list[dict]:
             f"could not load THUDM/LongBench/{name} through datasets ({'; '.join(errors)}); pass --longbench-dir with "
             "official-format {dataset}.jsonl files"
         )
-    return [validate_row(dict(row), f"THUDM/LongBench/{name}[{i}]") for i, row in enumerate(data)]
+    return [validate_row(dict(row), f"THUDM/LongBench/{name}[{i}]", name) for i, row in enumerate(data)]
 
 
 def build_example(row: dict, name: str, builder, max_length: int) -> dict:
