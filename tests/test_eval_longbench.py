@@ -201,3 +201,33 @@ def test_middle_truncation_fits_when_the_seam_takes_more_tokens():
         assert builder.count(prompt) + builder.count(asked) <= max_length
         over += builder.count(prompt) + builder.count(asked) == max_length
     assert over > 0  # the cut is no larger than needed: many prompts fill the budget exactly
+
+
+def test_a_length_below_the_prompts_own_text_is_refused():
+    """The whole context was cut and the prompt still ran over max_length, scored under that length with no
+    context at all."""
+    from pikv_hf.eval.haystack import LengthError
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return text.split()
+
+        def decode(self, tokens):
+            return " ".join(tokens)
+
+    class Builder:
+        tokenizer = Tok()
+
+        def count(self, text):
+            return len(text.split())
+
+        def build(self, context, question, answer_prefix, chat=True, separator="\n\n"):
+            return context, question
+
+    row = longbench.load_dataset_rows("hotpotqa", str(FIXTURES / "longbench"))[0]
+    head, tail = longbench.PROMPTS["hotpotqa"].split("{context}")
+    fixed = len(head.split()) + len(tail.replace("{input}", row["input"]).split())
+    longbench.build_example(row, "hotpotqa", Builder(), max_length=fixed)  # fits with no context
+    with pytest.raises(LengthError, match=f"length={fixed - 1} is too short for hotpotqa .* takes {fixed} tokens"):
+        longbench.build_example(row, "hotpotqa", Builder(), max_length=fixed - 1)
+

@@ -274,6 +274,19 @@ def test_routed_ratio_of_a_path_model_is_checked_before_it_loads(model_dir, tmp_
     assert len(err) == 1 and "must skip a whole number of the 8 shards" in err[0] and not out.exists()
 
 
+def test_a_context_no_longer_than_a_press_query_window_is_refused_before_any_answer(model_dir, tmp_path, capsys):
+    """SnapKV scores with its last 64 queries and asserts on a shorter context: the fixture's lcc row (62 tokens)
+    crashed the run with kvpress's AssertionError after other rows were written."""
+    out = tmp_path / "run"
+    args = ["--suite", "longbench", "--model", model_dir, "--tasks", "hotpotqa,lcc", "--longbench-dir",
+            str(FIXTURES / "longbench"), "--samples", "1", "--length", "512", "--press", "none", "snapkv"]  # fmt: skip
+    assert cli_main(["eval", *args, "--no-progress", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("pikv-hf eval: error: lcc sample 0 at length 512: the context has 62 tokens")
+    predictions = out / "predictions.jsonl"
+    assert "window_size 64" in err[-1] and not (predictions.is_file() and predictions.read_text().strip())
+
+
 def test_output_directory_of_another_configuration_is_refused(model_dir, tmp_path):
     out = tmp_path / "run"
     config = _ruler_config(model_dir, out, presses=["none"], tasks="niah_single_number", samples=1)

@@ -21,6 +21,7 @@ import json
 import re
 from pathlib import Path
 
+from pikv_hf.eval.haystack import LengthError
 from pikv_hf.eval.metrics import METRICS
 
 PROMPTS = {
@@ -290,7 +291,8 @@ def build_example(row: dict, name: str, builder, max_length: int) -> dict:
     builder : pikv_hf.eval.generation.PromptBuilder
         Tokenizer wrapper that builds the context/question ids.
     max_length : int
-        Maximum prompt length in tokens (without chat scaffolding); the context is cut in the middle beyond it.
+        Maximum prompt length in tokens (without chat scaffolding); the context is cut in the middle beyond it
+        (``LengthError`` when the prompt does not fit without any context).
 
     Returns
     -------
@@ -313,6 +315,12 @@ def build_example(row: dict, name: str, builder, max_length: int) -> dict:
         left = keep // 2
         context = tokenizer.decode(context_tokens[:left]) + tokenizer.decode(context_tokens[left + removed :])
         overflow = builder.count(head + context) + builder.count(question) - max_length
+    if overflow > 0:  # the prompt's own text (instructions, question) does not fit, even without the context
+        fixed = builder.count(head) + builder.count(question)
+        raise LengthError(
+            f"length={max_length} is too short for {name} row {row['_id']!r}: its prompt without the context takes "
+            f"{fixed} tokens"
+        )
     ids = builder.build(head + context, question, "", chat=base not in NO_CHAT_TEMPLATE, separator="")
     record = {
         "answers": [str(a) for a in row["answers"]],

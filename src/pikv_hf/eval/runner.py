@@ -38,8 +38,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pikv_hf.eval.config import EvalConfig, resolve_inputs
+from pikv_hf.eval.config import EvalConfig, press_names, resolve_inputs
 from pikv_hf.eval.generation import PromptBuilder, answer_in_press, eos_token_ids, load_model, press_context
+from pikv_hf.eval.haystack import LengthError
 from pikv_hf.eval.pikv_presses import duo_heads
 from pikv_hf.eval.points import PointCaches
 from pikv_hf.eval.results import (
@@ -131,6 +132,26 @@ def _warn_once(logger: logging.Logger) -> None:
         logger.addFilter(_OnceFilter())
 
 
+def _query_windows(points: list[tuple[str, float]]) -> dict[str, int]:
+    """The windows of the points' kvpress presses that score keys from a window of the last queries (the SnapKV
+    family, which asserts that a context is longer than its window)."""
+    import kvpress
+
+    names = press_names()
+    presses = {p: getattr(kvpress, names[p]) for p, _ in points if p in names}
+    return {p: cls().window_size for p, cls in presses.items() if issubclass(cls, kvpress.SnapKVPress)}
+
+
+def _check_windows(windows: dict[str, int], context_tokens: int, where: str) -> None:
+    """``LengthError`` for a context no longer than a press's query window (kvpress asserted on it mid-run)."""
+    for press_name, window in windows.items():
+        if context_tokens <= window:
+            raise LengthError(
+                f"{where}: the context has {context_tokens} tokens, not more than press {press_name!r}'s "
+                f"window_size {window} (the queries it scores with): raise --length or leave the press out"
+            )
+
+
 def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str], dict | None] | None = None) -> dict:
     """Run (or resume) an evaluation and write predictions, metrics and plot.
 
@@ -181,13 +202,23 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
         model, tokenizer, model_info = model_and_tokenizer()
         builder = PromptBuilder(tokenizer)
         eos_ids = eos_token_ids(model, tokenizer)
+        windows = _query_windows(points)
         if config.suite == "ruler":
             from pikv_hf.eval.haystack import Haystack
             from pikv_hf.eval.ruler import generate_sample, score_sample
 
             haystack = Haystack(builder.count)
             for task, length in sorted({(t, n) for _, n, t in pending}):  # a length a task cannot be built at is
-                generate_sample(task, 0, length, config.seed, haystack, builder.reserve())  # refused before any answer
+                probe = generate_sample(task, 0, length, config.seed, haystack, builder.reserve())  # refused before
+                context = builder.build(probe.context, probe.question, probe.answer_prefix)[0]  # any answer
+                _check_windows(windows, int(context.shape[1]), f"task {task} at length {length}")
+        else:  # every pending prompt built now: a context a press cannot take is refused before any answer
+            examples = {
+                (index, length, task): longbench.build_example(lb_tasks[task][index], task, builder, length)
+                for index, length, task in pending
+            }
+            for (index, length, task), example in examples.items():
+                _check_windows(windows, int(example["ids"][0].shape[1]), f"{task} sample {index} at length {length}")
         compression.check_on_model([press for press, _ in points], model)  # before any answer, as the lengths
         if config.perplexity_context:
             compression.held_out_ids(tokenizer, config.perplexity_context + config.perplexity_tokens)
@@ -203,7 +234,7 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
                     ctx_ids, q_ids = builder.build(sample.context, sample.question, sample.answer_prefix)
                     max_new = MAX_NEW_TOKENS[task]
                 else:
-                    example = longbench.build_example(lb_tasks[task][index], task, builder, length)
+                    example = examples[index, length, task]
                     record, (ctx_ids, q_ids), max_new = example["record"], example["ids"], example["max_new_tokens"]
                 # reconstruction errors: first sample per task
                 caches = PointCaches(model, config, ctx_ids, heads=heads, errors=index == 0)
