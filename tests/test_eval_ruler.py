@@ -102,6 +102,24 @@ def test_common_and_frequent_words_answers_are_the_most_frequent(haystack):
     assert text.count(top[2]) > max(text.count(w) for w in set(text) - set(top))
 
 
+@pytest.mark.parametrize("length", [1024, 4096, 8192])
+def test_frequent_words_fill_the_length_and_answer_nothing_the_prompt_says(length):
+    """Costs that differ by word (a 3-letter word one token, a 5-letter one three): sizing by the vocabulary's plain
+    mean cost left prompts at 84% of an 8k length when the Zipf-frequent words were the cheap ones; and an answer
+    could sit inside the prompt's own text ('acc' in 'According ...')."""
+
+    def cost(text: str) -> int:
+        return sum(max(1, len(w) - 2) for w in text.split())
+
+    stack = Haystack(cost)
+    for index in range(8):
+        sample = generate_sample("frequent_words", index, length, 0, stack)
+        prompt = cost(sample.context) + cost(sample.question) + cost(sample.answer_prefix)
+        assert 0.97 * length <= prompt <= length, (index, prompt)
+        fixed = f"{sample.context.split(chr(10))[0]} {sample.question} {sample.answer_prefix}".lower()
+        assert not any(a in fixed for a in sample.answers)
+
+
 def test_zipf_counts_hand_computed():
     # weights 1, 1/4, 1/9 -> H = 49/36; 100 * w / H = 73.47, 18.37, 8.16
     assert zipf_counts(100, 3, 2.0) == [73, 18, 8]

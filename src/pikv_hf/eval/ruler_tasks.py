@@ -349,17 +349,27 @@ def frequent_words(
     prefix = "Answer: According to the coded text above, the three most frequently appeared words are:"
     budget = length - reserve - count(instruction + "\n") - count(question) - count(prefix)
     n_vocab = max(20, min(FWE_VOCAB, budget // 16))
-    vocab = _distinct(rng, lambda: "".join(rng.choice(letters) for _ in range(rng.randint(3, 5))), n_vocab)
-    mean_cost = sum(count(" " + w) for w in vocab) / len(vocab)
-    total = int(budget / mean_cost)
-    while True:
-        counts = zipf_counts(total, len(vocab), FWE_ALPHA)
-        words = [w for w, c in zip(vocab, counts, strict=True) for _ in range(c)]
-        if sum(count(" " + w) for w in words) <= budget:
-            break
-        if total <= len(vocab):
-            raise LengthError(f"length={length} is too short for task 'frequent_words'")
-        total = int(total * 0.97)
+    fixed_text = f"{instruction} {question} {prefix}".lower()  # answers are matched as substrings: none sits in it
+
+    def coded_word() -> str:
+        while (word := "".join(rng.choice(letters) for _ in range(rng.randint(3, 5)))) in fixed_text:
+            pass
+        return word
+
+    vocab = _distinct(rng, coded_word, n_vocab)
+    costs = [count(" " + w) for w in vocab]
+
+    def used(total: int) -> int:  # tokens of `total` Zipf-distributed words (grows with total)
+        return sum(c * k for c, k in zip(zipf_counts(total, len(vocab), FWE_ALPHA), costs, strict=True))
+
+    if used(len(vocab)) > budget:
+        raise LengthError(f"length={length} is too short for task 'frequent_words'")
+    lo, hi = len(vocab), max(len(vocab), budget)  # the most words that fit: used(lo) <= budget
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if used(mid) <= budget else (lo, mid - 1)
+    counts = zipf_counts(lo, len(vocab), FWE_ALPHA)
+    words = [w for w, c in zip(vocab, counts, strict=True) for _ in range(c)]
     if not counts[FWE_TOP - 1] > counts[FWE_TOP]:
         raise LengthError(f"length={length} is too short for task 'frequent_words' (top-{FWE_TOP} not distinct)")
     rng.shuffle(words)
