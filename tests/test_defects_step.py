@@ -224,3 +224,55 @@ def test_left_padded_chunked_prefill_equals_dynamic_cache(reserved, chunk):
     assert torch.equal(got.sequences, want.sequences)
     assert max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True)) < 1e-5
     assert cache.rows_started
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt  # Ctrl-C while layer 1's MLP runs
+
+
+def test_a_forward_interrupted_by_a_base_exception_is_undone_at_the_next_forward():
+    """torch runs ``always_call`` forward hooks on an ``Exception`` only: a KeyboardInterrupt (Ctrl-C in a notebook)
+    in layer 1 left layers 0-1 holding its tokens, the forward marked running, and a stale "pikv" entry that made
+    masks built outside a forward come out None; the next forward was 0.13 off DynamicCache, silently."""
+    from pikv_hf import hf as pikv_hf_glue
+
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    cache, dyn = PiKVCache(model, page_size=4), DynamicCache()
+    ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref(ids, past_key_values=dyn)
+        model(ids, past_key_values=cache)
+        handle = model.model.layers[1].mlp.register_forward_pre_hook(_interrupt)
+        try:
+            model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            handle.remove()
+        nxt = torch.tensor([[9, 10]])
+        want, got = ref(nxt, past_key_values=dyn).logits, model(nxt, past_key_values=cache).logits
+    assert (want - got).abs().max() < 1e-5 and cache.get_seq_length() == 8
+    assert not cache.forward_running() and pikv_hf_glue._PIKV_FORWARDS == []
+
+
+def test_a_forward_that_fails_before_storing_leaves_the_padding_check_on():
+    """A forward failing before any layer stored (here PiKVCache's own refusal of a wrong batch) set rows_started:
+    later one-token steps of a left-padded batch were not read for padding and stored the pads as tokens."""
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    full = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]])  # row 0: three pads, one token at a time
+    ids = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache, dyn = PiKVCache(model, page_size=4), DynamicCache()
+    worst = 0.0
+    with torch.no_grad():
+        for t in range(5):
+            mask = full[:, : t + 1]
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+            if t == 1:
+                with pytest.raises(ValueError, match="batch size of key/value_states is 1, cache holds 2"):
+                    model(input_ids=ids[:1, 1:2], attention_mask=mask[:1].new_ones(1, 2), past_key_values=cache)
+                assert not cache.rows_started
+            step = dict(input_ids=ids[:, t : t + 1], attention_mask=mask, position_ids=pos)
+            a, b = ref(**step, past_key_values=dyn).logits, model(**step, past_key_values=cache).logits
+            real = mask[:, -1].bool()
+            worst = max(worst, (a[real] - b[real]).abs().max().item())
+    assert worst < 1e-5

@@ -241,16 +241,23 @@ class PiKVCache(ForwardAwareCache):
             mask = attention_mask[:, -new_tokens:].to(torch.bool)
             if not bool(mask.all()):
                 present = mask
-        # left padding precedes each row's first real token: a forward bringing one in every row ends it
-        self.rows_started = self.rows_started or present is None or bool(present.any(-1).all())
+        # left padding precedes each row's first real token: a forward bringing one in every row ends it (once it
+        # ends without an error: a forward that fails stores nothing, or is undone)
+        started = self.rows_started or present is None or bool(present.any(-1).all())
         f = self._forward
-        self._forwards.append(ForwardState(f.active, f.pikv, f.present))
-        f.active, f.pikv, f.present, f.positions = True, pikv, present, None
+        self._forwards.append(ForwardState(f.active, f.pikv, f.present, f.rows_started))
+        f.active, f.pikv, f.present, f.positions, f.rows_started = True, pikv, present, None, started
 
-    def end_forward(self) -> None:
+    def forward_running(self) -> bool:
+        return self._forward.active
+
+    def end_forward(self, failed: bool = False) -> None:
         outer = self._forwards.pop() if self._forwards else ForwardState()
         f = self._forward
+        if not failed:
+            self.rows_started = f.rows_started
         f.active, f.pikv, f.present, f.positions = outer.active, outer.pikv, outer.present, None
+        f.rows_started = outer.rows_started
         if not f.active:  # the outermost forward ended: its temporaries go (LayerEdits.end_forward)
             for layer in self.layers:
                 layer.end_forward()

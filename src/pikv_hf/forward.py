@@ -35,11 +35,12 @@ class ForwardState:
     """What a cache learns from the model's forward before its layers run (``pikv_hf.hf``'s hooks set it): that a
     forward is running (``active``), whether it runs the ``"pikv"`` attention, and ``present`` (``[B, q]`` bool, False
     for left padding among the new tokens; None when there is none). Outside a forward (direct ``update`` calls)
-    all are off."""
+    all are off. ``rows_started``: the cache's flag once this forward ends without an error."""
 
     active: bool = False
     pikv: bool = False
     present: torch.Tensor | None = None
+    rows_started: bool = False
     positions: tuple[int, torch.Tensor] | None = None  # (first, tensor): token_positions' latest, within a forward
 
     def token_positions(self, first: int, q: int, device: torch.device) -> torch.Tensor:

@@ -44,8 +44,19 @@ class ForwardAwareCache(Cache):
     def begin_forward(self, attention_mask: torch.Tensor | None, new_tokens: int, pikv: bool) -> None:
         raise NotImplementedError
 
-    def end_forward(self) -> None:
+    def end_forward(self, failed: bool = False) -> None:
         raise NotImplementedError
+
+    def forward_running(self) -> bool:
+        """Whether a forward of this cache began and did not end."""
+        raise NotImplementedError
+
+    def end_interrupted_forward(self) -> None:
+        """End a forward that stopped without the forward hook's end (a ``KeyboardInterrupt``, which torch's
+        ``always_call`` hooks do not see), and undo it as a failed one."""
+        while self.forward_running():
+            self.end_forward(failed=True)
+        self.undo_partial_forward()
 
     def check_dense_reads(self, custom_mask: bool, attention_weights: bool) -> None:
         """Raise before a forward that brings a custom 4-D attention mask or asks for the attention weights when a
@@ -74,6 +85,25 @@ class ForwardAwareCache(Cache):
 
 
 _PIKV_FORWARDS: list[bool] = []  # per forward in progress (nested ones too): does it read a PiKVCache via "pikv"?
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _drop_interrupted_forwards(running: int) -> None:
+    """Drop the entries of ``_PIKV_FORWARDS`` beyond the ``running`` decoder forwards: a forward interrupted by a
+    ``KeyboardInterrupt`` (torch runs ``always_call`` hooks on an ``Exception`` only) left its entry behind."""
+    if len(_PIKV_FORWARDS) > running:
+        del _PIKV_FORWARDS[running:]
+
+
+def _running_decoders() -> int:
+    """Forwards of decoders with these hooks on this thread's stack (``Module._call_impl`` frames); a host-side
+    walk of a few frames, skipped in traced code."""
+    n, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and hasattr(frame.f_locals.get("self"), HOOKS_ATTR):
+            n += 1
+        frame = frame.f_back
+    return n
 
 
 def previous_implementation(config) -> str:
@@ -93,6 +123,8 @@ def pikv_mask(
     """Mask function registered under ``"pikv"``. Inside a forward that reads a PiKVCache it returns None: the cache
     masks by stored positions and learned the padding from the forward hook. Anywhere else (another cache, no cache,
     ``generate`` preparing a mask ahead of a forward) it returns the previous implementation's mask."""
+    if not torch.compiler.is_compiling():
+        _drop_interrupted_forwards(_running_decoders())
     if _PIKV_FORWARDS and _PIKV_FORWARDS[-1]:
         return None
     return ALL_MASK_ATTENTION_FUNCTIONS[previous_implementation(config)](
@@ -212,6 +244,11 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
 
     def before(module: nn.Module, args: tuple, kwargs: dict):
         cache = argument("past_key_values", args, kwargs)
+        if not torch.compiler.is_compiling():
+            outer = _running_decoders() - 1  # the forwards around this one (which has no entry yet)
+            _drop_interrupted_forwards(outer)
+            if not outer and isinstance(cache, ForwardAwareCache) and cache.forward_running():
+                cache.end_interrupted_forward()
         if not isinstance(cache, ForwardAwareCache):
             _PIKV_FORWARDS.append(False)
             return None
@@ -249,7 +286,7 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
             _PIKV_FORWARDS.pop()
         cache = argument("past_key_values", args, kwargs)
         if isinstance(cache, ForwardAwareCache):
-            cache.end_forward()
+            cache.end_forward(failed=output is None)
             if output is None:  # the forward raised (torch calls this hook, then re-raises)
                 cache.undo_partial_forward()
 
