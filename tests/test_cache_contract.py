@@ -156,3 +156,34 @@ def test_reset_and_reuse():
         a = ref(ids, past_key_values=fresh).logits
         b = model(ids, past_key_values=cache).logits
     assert (a - b).abs().max() < TOL
+
+
+def test_batch_and_length_limits_and_integer_layer_indices_as_transformers_caches_give_them():
+    """StaticCache's max_batch_size (read by generate to reuse a cache) was an AttributeError on a reserved
+    PiKVCache, a growing one's max_cache_len a TypeError; numpy / 0-d tensor layer indices were called out of
+    range; a 2-D attention_mask short of the positions seen was read as if it covered them (0.46 off DynamicCache)."""
+    import numpy as np
+    from transformers import StaticCache
+
+    from pikv_hf.tiny import tiny_model
+
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    ids = torch.randint(3, 200, (3, 5), generator=torch.Generator().manual_seed(0))
+    static, reserved = StaticCache(config=ref.config, max_cache_len=32), PiKVCache(model, max_cache_len=32)
+    with torch.no_grad():
+        ref(ids, past_key_values=static, cache_position=torch.arange(5))
+        model(ids, past_key_values=reserved, cache_position=torch.arange(5))
+    assert (reserved.max_batch_size, reserved.max_cache_len) == (static.max_batch_size, static.max_cache_len) == (3, 32)
+    growing = PiKVCache(model)
+    assert growing.max_cache_len is None
+    k = torch.randn(1, 2, 3, 16)
+    for index in (np.int64(1), torch.tensor(1)):
+        keys, _ = PiKVCache(model.config).update(k, k, index)
+        assert torch.equal(keys, k)
+    with pytest.raises(TypeError, match="layer_idx must be an integer, got float"):
+        growing.update(k, k, 1.0)
+    with torch.no_grad():
+        model(ids, past_key_values=growing)
+        with pytest.raises(ValueError, match="attention_mask must have a column per position seen plus the new tokens"):
+            model(ids[:, :1], attention_mask=torch.ones(3, 1, dtype=torch.long), past_key_values=growing)
+    assert growing.get_seq_length() == 5

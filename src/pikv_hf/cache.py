@@ -14,6 +14,7 @@ one forward (see docs/ARCHITECTURE.md):
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from typing import Any
 
@@ -223,6 +224,24 @@ class PiKVCache(ForwardAwareCache):
             )
         attach(model)
 
+    @property
+    def max_cache_len(self) -> int | None:
+        """Positions a reserved cache (``max_cache_len=N``) holds, None for a cache that grows."""
+        lengths = [layer.max_cache_len for layer in self.layers]
+        return None if None in lengths else max(lengths)
+
+    def check_mask_length(self, attention_mask: torch.Tensor | None, new_tokens: int) -> None:
+        """``ValueError`` for a 2-D ``attention_mask`` that does not cover the positions seen and the new tokens (the
+        columns a DynamicCache forward reads; eager forwards of a growing cache, where that length is a host int)."""
+        if attention_mask is None or attention_mask.dim() != 2 or self.is_compileable:
+            return
+        expected = self.get_seq_length() + new_tokens
+        if attention_mask.shape[1] != expected:
+            raise ValueError(
+                f"attention_mask must have a column per position seen plus the new tokens ({expected}: "
+                f"{expected - new_tokens} + {new_tokens}), got shape {tuple(attention_mask.shape)}"
+            )
+
     def check_dense_reads(self, custom_mask: bool, attention_weights: bool) -> None:
         viewless = next((layer for layer in self.layers if not layer.has_view), None)
         if viewless is not None:
@@ -303,9 +322,13 @@ class PiKVCache(ForwardAwareCache):
         layer_idx: int,
         cache_kwargs: dict[str, Any] | None = None,
     ) -> tuple[PagedKV, PagedKV] | tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < len(self.layers):
+        try:
+            index = operator.index(layer_idx)  # an int, numpy integer or 0-d integer tensor, as DynamicCache takes
+        except TypeError:
+            raise TypeError(f"layer_idx must be an integer, got {type(layer_idx).__name__} {layer_idx!r}") from None
+        if isinstance(layer_idx, bool) or not 0 <= index < len(self.layers):
             raise IndexError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx!r}")
-        return self.layers[layer_idx].update(key_states, value_states, cache_kwargs)
+        return self.layers[index].update(key_states, value_states, cache_kwargs)
 
     def _rows(self, name: str, index: torch.Tensor) -> None:
         """``checks.check_rows`` against the cache's batch, once for every layer (before any layer changes)."""

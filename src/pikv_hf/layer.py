@@ -148,6 +148,11 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
             return torch.arange(self.seen - self._last_q, self.seen, device=self.store.device)
         return self._last_qpos
 
+    @property
+    def max_batch_size(self) -> int | None:
+        """Batch rows held (``StaticLayer``'s attribute; None before the first update)."""
+        return None if self.store is None else self.store.batch
+
     def attention_module(self) -> torch.nn.Module | None:
         return None if self._module is None else self._module()
 
