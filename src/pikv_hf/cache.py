@@ -230,18 +230,6 @@ class PiKVCache(ForwardAwareCache):
         lengths = [layer.max_cache_len for layer in self.layers]
         return None if None in lengths else max(lengths)
 
-    def check_mask_length(self, attention_mask: torch.Tensor | None, new_tokens: int) -> None:
-        """``ValueError`` for a 2-D ``attention_mask`` that does not cover the positions seen and the new tokens (the
-        columns a DynamicCache forward reads; eager forwards of a growing cache, where that length is a host int)."""
-        if attention_mask is None or attention_mask.dim() != 2 or self.is_compileable:
-            return
-        expected = self.get_seq_length() + new_tokens
-        if attention_mask.shape[1] != expected:
-            raise ValueError(
-                f"attention_mask must have a column per position seen plus the new tokens ({expected}: "
-                f"{expected - new_tokens} + {new_tokens}), got shape {tuple(attention_mask.shape)}"
-            )
-
     def check_dense_reads(self, custom_mask: bool, attention_weights: bool) -> None:
         viewless = next((layer for layer in self.layers if not layer.has_view), None)
         if viewless is not None:

@@ -58,10 +58,6 @@ class ForwardAwareCache(Cache):
             self.end_forward(failed=True)
         self.undo_partial_forward()
 
-    def check_mask_length(self, attention_mask: torch.Tensor | None, new_tokens: int) -> None:
-        """Raise before a forward whose 2-D ``attention_mask`` does not cover the cache's positions and the new
-        tokens."""
-
     def check_dense_reads(self, custom_mask: bool, attention_weights: bool) -> None:
         """Raise before a forward that brings a custom 4-D attention mask or asks for the attention weights when a
         layer cannot give them (both are read over a dense view of the layer, which a partitioned layer does not
@@ -278,8 +274,6 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
         _PIKV_FORWARDS.append(pikv)
         if cache.out_of_step is not None:  # after the pushes: the forward hook pops them as the forward fails
             raise RuntimeError(f"{type(cache).__name__} is out of step: {cache.out_of_step}; call reset() on it")
-        if not torch.compiler.is_compiling():
-            cache.check_mask_length(mask, tokens.shape[1])
         weights = argument("output_attentions", args, kwargs)
         weights = getattr(module.config, "output_attentions", False) if weights is None else weights
         custom = isinstance(mask, torch.Tensor) and mask.dim() == 4
