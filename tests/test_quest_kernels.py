@@ -102,7 +102,10 @@ def test_select_kernel_equals_reference_and_a_stable_sort(w, fraction, width):
     for bi, hi in [(0, 0), (0, 1), (1, 2)]:  # the reference: pages by descending score, ties to the earlier page
         ranked = sorted(range(w), key=lambda i: (-float(score[bi, hi, i]), i))
         budget = math.ceil(fraction * int(n_pages[bi, hi]))
-        want = [i if k < budget and score[bi, hi, i] > -math.inf else -1 for k, i in enumerate(ranked[:width])]
+        # sink / window pages (+inf) always, even past the budget (they hold the query's own token)
+        value = [float(score[bi, hi, i]) for i in ranked]
+        keep = [(k < budget or x == math.inf) and x > -math.inf for k, x in enumerate(value)]
+        want = [i if kept else -1 for i, kept in zip(ranked[:width], keep, strict=False)]
         assert ref[bi, hi].tolist() == want
         assert int(lengths[bi, hi]) == sum(i >= 0 for i in want)  # the kept pages, which lead the row
 

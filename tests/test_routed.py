@@ -243,9 +243,15 @@ def test_quest_reading_every_page_equals_exact_mode(arch, router):
     assert cache.routing_stats()["overall"]["fraction_pages_read"] == 1.0
 
 
-def test_quest_step_reads_the_pages_of_largest_bound_plus_sink_and_window_pages():
+@pytest.mark.parametrize(
+    ("n_sink", "window", "frac"),
+    # the second: 5 sink / window pages against a budget of 2 (they were cut to the budget, the newest first: the
+    # query did not read its own token)
+    [(3, 5, 0.4), (2, 14, 0.1)],
+)
+def test_quest_step_reads_the_pages_of_largest_bound_plus_sink_and_window_pages(n_sink, window, frac):
     b, h, g, t, d = B, H, G, T, D
-    n_sink, window, frac, p = 3, 5, 0.4, PAGE
+    p = PAGE
     cache, all_k, all_v, query, out = _one_decode_step(
         1, router="round_robin", num_shards=3, attention="quest", read_fraction=frac, n_sink=n_sink, window=window
     )
@@ -268,7 +274,8 @@ def test_quest_step_reads_the_pages_of_largest_bound_plus_sink_and_window_pages(
                 at = torch.arange(t + 1)[page_of == pg]
                 special = bool(((at < n_sink) | (at > t - window)).any())
                 scores[pg] = float("inf") if special else float(bound)
-            ranked = sorted(scores, key=lambda pg: (-scores[pg], pg))[: int(budget)]
+            order = sorted(scores, key=lambda pg: (-scores[pg], pg))
+            ranked = [pg for k, pg in enumerate(order) if k < budget or scores[pg] == float("inf")]
             keep = torch.isin(page_of, torch.tensor(ranked)) | (torch.arange(t + 1) > t - window)
             for gi in range(g):
                 logits = (all_k[bi, hi] @ query[bi, hi * g + gi, 0]) * d**-0.5
@@ -276,7 +283,7 @@ def test_quest_step_reads_the_pages_of_largest_bound_plus_sink_and_window_pages(
                 assert (out[bi, 0, hi * g + gi] - expected).abs().max() < 1e-5
                 recalls.append(logits.softmax(-1)[keep].sum())
     stats = cache.routing_stats()["overall"]
-    assert stats["fraction_pages_read"] == budget / n_pages
+    assert stats["fraction_pages_read"] == max(budget, len(ranked)) / n_pages
     assert abs(stats["recall"] - torch.stack(recalls).mean().item()) < 1e-5
 
 

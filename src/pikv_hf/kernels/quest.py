@@ -84,8 +84,9 @@ def _select_kernel(score_ptr, n_pages_ptr, out_ptr, len_ptr, W, width, fraction,
     ranked = tl.sort((key.to(tl.int64) << 32) + (2147483647 - i), descending=True)
     page = 2147483647 - (ranked & 0xFFFFFFFF)
     empty = (ranked >> 32) == -2139095041  # the key of -inf (bits 0xFF800000 ^ 0x7FFFFFFF)
+    special = (ranked >> 32) == 2139095040  # the key of +inf (bits 0x7F800000): sink / window pages, always read
     budget = tl.load(n_pages_ptr + bh).to(tl.float32) * fraction
-    page = tl.where(empty | (i.to(tl.float32) >= budget), -1, page)
+    page = tl.where(empty | ((i.to(tl.float32) >= budget) & ~special), -1, page)
     tl.store(out_ptr + bh * width + i, page, mask=i < width)
     tl.store(len_ptr + bh, tl.sum(((page >= 0) & (i < width)).to(tl.int32), 0))
 
@@ -141,9 +142,11 @@ def _quest_scores_fake(qg, key_min, *rest):
 
 def _select_reference(score, n_pages, fraction, width):
     top, order = score.sort(dim=-1, descending=True, stable=True)  # ties to the earlier page
-    # past the (row, head)'s budget of ceil(fraction * n_pages) pages (i < ceil(x) iff i < x), or empty
-    over = torch.arange(width, device=score.device) >= (n_pages * fraction).unsqueeze(-1)
-    pages = order[..., :width].masked_fill(over | torch.isneginf(top[..., :width]), -1)
+    # past the (row, head)'s budget of ceil(fraction * n_pages) pages (i < ceil(x) iff i < x) and no sink / window
+    # page (+inf: always read, even past the budget), or empty
+    top = top[..., :width]
+    over = (torch.arange(width, device=score.device) >= (n_pages * fraction).unsqueeze(-1)) & (top < math.inf)
+    pages = order[..., :width].masked_fill(over | torch.isneginf(top), -1)
     return pages, (pages >= 0).sum(-1, dtype=torch.int32)  # the kept pages lead each row
 
 

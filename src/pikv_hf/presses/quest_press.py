@@ -28,10 +28,11 @@ def quest_pages(
     """``[B, H, T]`` bool: the cached tokens Quest reads for one decode query (``queries`` ``[B, H, G, D]``, the query
     heads of each KV head, at position ``T``) over ``keys`` ``[B, H, T, D]`` in position order.
 
-    The ``T + 1`` tokens (the new one included) form pages of ``page_size``; ``ceil(read_fraction * pages)`` are
-    read: first those holding one of the first ``n_sink`` tokens or one of the last ``window`` positions (the new
-    token's page among them), then the pages with the largest upper bound ``max_g sum_d max(q_d min_d, q_d max_d)``
-    of ``q . k``, ties to the earlier page (as a PiKVCache's Quest read ranks its pages).
+    The ``T + 1`` tokens (the new one included) form pages of ``page_size``; the pages holding one of the first
+    ``n_sink`` tokens or one of the last ``window`` positions (the new token's page among them) are read always, and
+    the pages with the largest upper bound ``max_g sum_d max(q_d min_d, q_d max_d)`` of ``q . k`` up to
+    ``ceil(read_fraction * pages)`` pages in all, ties to the earlier page (as a PiKVCache's Quest read ranks its
+    pages).
     """
     b, h, t, d = keys.shape
     n_pages = math.ceil((t + 1) / page_size)
@@ -44,7 +45,7 @@ def quest_pages(
     first = torch.arange(n_pages, device=keys.device) * page_size
     special = (first < n_sink) | (first + page_size - 1 > t - window)  # a sink, or a position within the window
     bound = bound.masked_fill(special.view(1, 1, -1), float("inf"))
-    read = descending_rank(bound) < math.ceil(read_fraction * n_pages)
+    read = (descending_rank(bound) < math.ceil(read_fraction * n_pages)) | special.view(1, 1, -1)
     return read.repeat_interleave(page_size, dim=-1)[..., :t]
 
 

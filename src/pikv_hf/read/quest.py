@@ -1,6 +1,7 @@
 """Quest reads (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024):
-each (row, KV head) reads ``ceil(read_fraction * pages)`` pages, sink / window pages first, then the pages with
-the largest upper bound of ``q . k`` from per-page key min / max; every token of a page read is attended.
+each (row, KV head) reads its sink / window pages (always, even past the budget: they hold the query's own token)
+and the pages with the largest upper bound of ``q . k`` from per-page key min / max, ``ceil(read_fraction * pages)``
+pages in all; every token of a page read is attended.
 
 A layer whose tokens are spread over several stores (the hot store and a compressed or offload tier) has one budget
 over all of them, in token slots: ``read_fraction`` of the slots of every page stored, filled with every store's
@@ -53,8 +54,8 @@ class QuestRead(SparseRead):
         )  # fmt: skip
 
     def plan(self, store: PagedStore, qg: torch.Tensor, qpos: torch.Tensor, row_start: torch.Tensor) -> ReadPlan:
-        """The plan of a layer held in one store: ``ceil(read_fraction * n_pages)`` pages per (row, head), by
-        descending score (``torch.ops.pikv.quest_select``)."""
+        """The plan of a layer held in one store: per (row, head) its sink / window pages, always, and the pages of
+        largest score up to ``ceil(read_fraction * n_pages)`` pages in all (``torch.ops.pikv.quest_select``)."""
         f = self.config.read_fraction
         score = self.scores(store, qg, qpos, row_start)
         w = store.table.width()
@@ -62,8 +63,11 @@ class QuestRead(SparseRead):
             # a reserved frame (max_cache_len) is far wider than the pages in use, and the CPU gathers the whole
             # plan: sized by the pages in use instead (a host read, no synchronisation on the CPU)
             w = min(w, int(store.table.n_pages.max()) if store.table.n_pages.numel() else 0)
-        width = min(w, math.ceil(f * w))
+        special = self.config.n_sink + self.config.window  # the most pages sink / window tokens can lie in
+        width = min(w, max(math.ceil(f * w), special))  # a row keeps its budget or its special pages, the more
         pages, lengths = kquest.select(score, store.table.n_pages, f, width)
+        if store.device.type == "cpu" and not torch.compiler.is_compiling() and lengths.numel():
+            pages = pages[..., : int(lengths.max())]  # the longest row fills the plan (the CPU gathers all of it)
         return ReadPlan(pages, lengths=lengths)
 
     def group_plans(
