@@ -569,3 +569,15 @@ def test_attention_statistics_over_ragged_layouts_equal_a_dense_reference(seed, 
     assert torch.allclose(got.mass.double(), mass, atol=1e-5)
     assert torch.allclose(mass_only.mass.double(), mass, atol=1e-5)
     assert torch.equal(got.hits, hits) and torch.equal(got.last_hit, last)
+
+
+def test_a_decoding_budget_with_a_compressed_tier_is_refused():
+    """The budget cuts the hot store: tokens a compressor moved into its tier are resident and read but were not
+    counted, so each (row, KV head) grew to 69 tokens under target_size=20, silently."""
+    model = tiny_model("llama", seed=0)
+    ids = prompt(40)
+    cache = PiKVCache(model, page_size=4)
+    budget = DecodingBudgetPress(StreamingLLMPress(n_sink=2), target_size=20)
+    with budget(model), QuantPress(bits=4, group_size=8, window=8)(model):
+        with pytest.raises(ValueError, match="also holds tokens in tier\\(s\\) \\['compressed'\\] .* cannot cut"):
+            model.generate(ids, past_key_values=cache, max_new_tokens=30, do_sample=False)

@@ -11,6 +11,7 @@ from pikv_hf.checks import check_int_at_least
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.adakv_press import AdaKVPress
 from pikv_hf.presses.base import PiKVPress, PiKVScorerPress, drop_or_offload, prefilling, refuse_compiled_decode
+from pikv_hf.store.tiers import OFFLOAD
 
 
 @dataclass
@@ -78,6 +79,13 @@ class DecodingBudgetPress(PiKVPress, DecodingPress):
         if prefilling(kwargs):
             return
         refuse_compiled_decode(self, "evicts tokens")
+        compressed = [name for name in layer.tiers if name != OFFLOAD]
+        if compressed:  # resident and read, but outside the hot store the budget cuts: it would grow past target_size
+            raise ValueError(
+                f"DecodingBudgetPress holds each (row, KV head) to target_size={self.target_size} tokens of the hot "
+                f"store, but layer {layer.layer_idx} also holds tokens in tier(s) {compressed} (a compressor moved "
+                "them there), which it cannot cut: drop the compressor, or the budget"
+            )
         per_head = layer.held()  # [B, H]
         if getattr(self.base_press, "budget_per_row", False):  # AdaKV: a row's heads share heads * target_size
             over = int(per_head.sum(-1).max()) - per_head.shape[1] * self.target_size
