@@ -58,7 +58,8 @@ def test_every_eager_way_has_its_numbers(run):
         assert res["exact"]["tokens"] == res["dynamic"]["tokens"] and res["exact"]["tokens_equal_baseline"]
         for way in ("routed", "routed_1_8", "quest_1_8", "quest_quant4", "h2o_offload_routed"):
             assert res[way]["read_fraction"] < 1.0, way  # the sparse ways read sparsely
-        assert res["quest_1_8"]["read_fraction"] < 0.25
+        # the sink / window pages (4 + 64 tokens, read always) are a third of the tiny context: more than 1/8 read
+        assert res["quest_1_8"]["read_fraction"] < 0.4
         assert res["h2o_offload_routed"]["offloaded_bytes"] > 0
         assert res["quant4"]["kv_bytes"] < res["exact"]["kv_bytes"]
 

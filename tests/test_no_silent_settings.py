@@ -82,7 +82,8 @@ def test_quest_ratio_is_its_first_argument_and_wins_over_the_cache_mode():
     with QuestPress(0.25, page_size=4)(model), torch.no_grad():  # prefill in Quest mode, reading 75%
         model(ids, past_key_values=cache)
     assert cache.read.read_fraction == 0.75
-    with QuestPress(0.75)(model), torch.no_grad():  # decoded under another ratio: it reads 25%
+    # decoded under another ratio: it reads 25% (its sink / window pages, always read, fit in that budget)
+    with QuestPress(0.75, n_sink=1, window=2)(model), torch.no_grad():
         for token in (5, 6, 7):
             model(torch.tensor([[token]]), past_key_values=cache)
     assert cache.read.read_fraction == 0.25

@@ -66,8 +66,6 @@ class QuestRead(SparseRead):
         special = self.config.n_sink + self.config.window  # the most pages sink / window tokens can lie in
         width = min(w, max(math.ceil(f * w), special))  # a row keeps its budget or its special pages, the more
         pages, lengths = kquest.select(score, store.table.n_pages, f, width)
-        if store.device.type == "cpu" and not torch.compiler.is_compiling() and lengths.numel():
-            pages = pages[..., : int(lengths.max())]  # the longest row fills the plan (the CPU gathers all of it)
         return ReadPlan(pages, lengths=lengths)
 
     def group_plans(
