@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pikv_hf.attention.triton_backend import make_backend
-from pikv_hf.checks import check_int_at_least, check_rows, check_tensor
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.config import ReadConfig
 from pikv_hf.distributed import ShardPlan, bind
 from pikv_hf.distributed.layer import PartitionedLayer
@@ -319,11 +319,8 @@ class PiKVCache(ForwardAwareCache):
         return self.layers[index].update(key_states, value_states, cache_kwargs)
 
     def _rows(self, name: str, index: torch.Tensor) -> None:
-        """``checks.check_rows`` against the cache's batch, once for every layer (before any layer changes)."""
-        check_tensor(name, index)
-        store = next((la.store for la in self.layers if la.store is not None), None)
-        if store is not None:
-            check_rows(name, index, store.batch, store.device)
+        """A layer's row check (the batch is every layer's), once for every layer (before any layer changes)."""
+        next((la for la in self.layers if la.store is not None), self.layers[0])._check_rows(name, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._rows("beam_idx", beam_idx)

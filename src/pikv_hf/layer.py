@@ -417,6 +417,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
             self._index_pos = None if self._index_pos is None else self._index_pos.index_select(0, index)
 
     def _check_rows(self, name: str, index: torch.Tensor) -> None:
+        """``checks.check_rows`` against this layer's batch (the type alone before the first update)."""
         check_tensor(name, index)
         if self.store is not None:
             check_rows(name, index, self.store.batch, self.store.device)
