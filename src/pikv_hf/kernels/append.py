@@ -233,10 +233,10 @@ _SCHEMA = (
     "(Tensor(a!) open_page, Tensor(b!) open_fill, Tensor(c!) n_pages, Tensor start, Tensor? cap, Tensor? shard, "
     "Tensor? row_start, Tensor pos, Tensor key, Tensor value, Tensor(d!)? key_pool, Tensor(e!)? value_pool, "
     "Tensor(f!) pos_pool, Tensor(g!) valid_pool, Tensor(h!) bias_pool, Tensor(i!) page_shard, Tensor(j!) count, "
-    "Tensor(k!)? key_sum, Tensor(l!)? key_sq, Tensor(m!)? key_min, Tensor(n!)? key_max, Tensor(o!)? page_min=None, "
-    "Tensor(p!)? page_max=None, Tensor(q!)? ring_slots=None, Tensor(r!)? ring_pos=None, int n_sink=0, int window=0) "
-    "-> Tensor"
-)
+    "Tensor(k!)? key_sum, Tensor(l!)? key_sq, Tensor(m!)? key_min, Tensor(n!)? key_max, Tensor(o!)? page_min, "
+    "Tensor(p!)? page_max, Tensor(q!)? ring_slots, Tensor(r!)? ring_pos, int n_sink, int window) -> Tensor"
+)  # no defaults: torch 2.11's boxed call drops trailing arguments equal to their defaults, and its in-place version
+# bump then indexed mutated arguments past the end (compiled steps failed on CUDA at "making fake tensor call")
 append_one_op = torch.library.custom_op("pikv::append_one", append_one_kernel, mutates_args=_MUTATED,
                                         device_types="cuda", schema=_SCHEMA)  # fmt: skip
 
