@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from bench_cache import median_ms, positive, read_bandwidth_gbs, run_metadata, write_result
+from bench_e2e import git_revision
 
 from pikv_hf.attention.triton_backend import make_backend
 from pikv_hf.codecs.quant import QuantCodec
@@ -490,6 +491,7 @@ def main() -> None:
         result = {
             "benchmark": "kernels",
             "command": " ".join(["python", *sys.argv]),
+            "git": os.environ.get("PIKV_GIT") or git_revision(),
             **meta,
             "device": name,
             "backend": label,
