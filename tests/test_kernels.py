@@ -518,3 +518,27 @@ def test_autotuned_kernels_tune_once_per_key_then_launch_the_chosen_configuratio
     assert mine[0]["config"] == {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
     for key in [k for k in decode._TUNED if k[0] is tuner]:  # leave the process's table as it was
         del decode._TUNED[key]
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_autotuner_tries_only_the_measured_choices_where_a_gpu_run_measured_them(quant):
+    """The split kernels' ``early_config_prune``: heads of <= 128 channels with 16-bit pages (or 4-bit codes dotted)
+    try only the configurations an H200 run chose; wider heads (MLA) and codes dequantised by the 16-bit kernel try
+    every configuration; every chosen configuration is one of the list (pruning never empties it)."""
+    from pikv_hf.kernels import decode, decode_quant
+
+    if quant:
+        configs = decode.tuned_configs(decode_quant._Q4_CONFIGS, decode_quant._Q4_CAPPED)
+        chosen = decode_quant._Q4_CHOSEN
+    else:
+        configs = decode.tuned_configs(decode._CONFIGS, decode._CAPPED)
+        chosen = decode._CHOSEN
+    prune = decode.prune_to_chosen(chosen)
+    shape = {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in configs}
+    assert chosen <= shape and len(shape) == len(configs)
+    kept = prune(configs, {}, DK=128, DV=128, **({} if quant else {"BITS": 0}))
+    assert {(c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) for c in kept} == chosen
+    assert len(kept) == len(chosen) < len(configs)
+    assert prune(configs, {}, DK=576, DV=512, BITS=0) == configs
+    if not quant:
+        assert prune(configs, {}, DK=128, DV=128, BITS=4) == configs

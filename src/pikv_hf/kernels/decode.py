@@ -54,12 +54,35 @@ _CONFIGS = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4,
 _REG_CAP, _CAPPED = 128, ((64, 4, 3), (128, 8, 3))
 
 
+# (BLOCK_N, warps, stages, register cap) the autotuner chose on an H200 for heads of 128 channels (Llama / Qwen3
+# shapes, pages of 16 and of 1, 16k-32k tokens x batch 1-8, exact and sparse reads: the "tuned" lists of
+# benchmarks/results/gpu_nvidia_h200*.json and kernels_nvidia_h200.json); it never chose 8 warps
+_CHOSEN = frozenset({(32, 4, 3, None), (64, 4, 3, None), (64, 4, 3, _REG_CAP), (128, 4, 2, None)})
+_MEASURED_DIM = 128  # heads of at most this many channels try only the chosen configurations
+
+
 def tuned_configs(configs: tuple, capped: tuple) -> list:
     """Autotune configurations of a split kernel: ``(BLOCK_N, warps, stages)`` each, then ``capped`` again with at
     most ``_REG_CAP`` registers a thread."""
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st) for n, w, st in configs] + [
         triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st, maxnreg=_REG_CAP) for n, w, st in capped
     ]
+
+
+def prune_to_chosen(chosen: frozenset):
+    """The autotuner's ``early_config_prune`` for a split kernel: a launch of the shapes a GPU run measured (heads of
+    at most ``_MEASURED_DIM`` channels, 16-bit pages: ``BITS`` 0 or absent) tries only the configurations ``chosen``
+    there, ``(BLOCK_N, warps, stages, register cap)``; other shapes (wider heads such as MLA's, codes dequantised by
+    the 16-bit kernel) try every configuration. Each configuration tried is compiled and timed on the first call of
+    its key: ten took 10-32 s of a way's first decode step on an H200."""
+
+    def prune(configs: list, named_args: dict, **kwargs: Any) -> list:
+        if max(kwargs["DK"], kwargs["DV"]) > _MEASURED_DIM or kwargs.get("BITS", 0):
+            return configs
+        kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.num_warps, c.num_stages, c.maxnreg) in chosen]
+        return kept or configs
+
+    return prune
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
@@ -369,6 +392,7 @@ if HAVE_TRITON and not interpreted(_split_kernel):
     _split_kernel_tuned = triton.autotune(
         configs=tuned_configs(_CONFIGS, _CAPPED),
         key=["PAGE", "DK", "DV", "BLOCK_R", "BITS", "HAS_FULL", "HAS_LEN", "SPAN", "TABLE"],
+        prune_configs_by={"early_config_prune": prune_to_chosen(_CHOSEN)},
     )(triton.jit(_split_kernel_fn))
 # (autotuned kernel, its key's values, the argument dtypes) -> the best configuration's launch options, filled by the
 # first call of each key (launch_tuned)

@@ -82,6 +82,7 @@ from pikv_hf.kernels.decode import (
     check_decode_args,
     launch_tuned,
     launches_directly,
+    prune_to_chosen,
     run_decode,
     tuned_configs,
 )
@@ -221,6 +222,8 @@ _Q4_MAX_GROUPS = 4  # value groups per head the 4-bit kernel takes (one batch of
 _Q4_CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3),
                (128, 8, 4))  # fmt: skip
 _Q4_CAPPED = ((64, 4, 3), (64, 8, 3))  # again at most 128 registers a thread: 207-255 uncapped (2 programs per SM)
+# what the autotuner chose on an H200 for heads of 128 channels, pages of 64 (decode._CHOSEN says where from)
+_Q4_CHOSEN = frozenset({(64, 4, 2, None), (128, 4, 2, None), (128, 4, 3, None)})
 
 
 def q4_fits(dk: int, dv: int, group: int) -> bool:
@@ -389,6 +392,7 @@ _split_q4_kernel_tuned = None  # on CUDA: autotuned over tile sizes, warps and p
 if HAVE_TRITON and not interpreted(_split_q4_kernel):
     _split_q4_kernel_tuned = triton.autotune(
         configs=tuned_configs(_Q4_CONFIGS, _Q4_CAPPED),
+        prune_configs_by={"early_config_prune": prune_to_chosen(_Q4_CHOSEN)},
         key=["PAGE", "DK", "DV", "BLOCK_R", "GROUP", "HAS_FULL", "HAS_LEN", "SPAN", "TABLE"],
     )(triton.jit(_split_q4_kernel_fn))
 
