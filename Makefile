@@ -121,7 +121,8 @@ bench-gpu:
 
 # On a GPU machine, as bench-gpu: every Triton kernel's tests on CUDA (each operator against its torch reference),
 # then bench-kernels and bench-gpu, each stage under its own time limit (benchmarks/gpu_check.sh: ~10 min in all;
-# `make gpu-check WHEELS=DIR`; logs in benchmarks/results/gpu_logs)
+# `make gpu-check WHEELS=DIR`; logs in benchmarks/results/gpu_logs, JSON in benchmarks/results, or in the folders
+# named by LOGS=DIR RESULTS=DIR)
 GPU_TESTS := tests/test_kernels.py tests/test_append_kernel.py tests/test_kernels_routing.py tests/test_quest_kernels.py \
 	tests/test_read_stats_op.py tests/test_quant_ops.py tests/test_triton_backend.py tests/test_merge_kernel.py
 gpu-check:
