@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import byte_tokenizer, model_pair
-from kvpress import ComposedPress, StreamingLLMPress
+from kvpress import ComposedPress, SnapKVPress, StreamingLLMPress
 from safetensors.torch import load_file
 from transformers import DynamicCache, pipeline
 
@@ -336,6 +336,80 @@ def test_pyramid_budgets_total_is_exact_and_pikv_keeps_them_per_layer(model):
     assert dyn.layers[2].keys.shape[2] == 120 and masked[0].numel() == 2 * (120 - kept[2])
     for layer in model.model.layers:
         layer.self_attn.masked_key_indices = None
+
+
+def test_pyramid_budgets_give_every_layer_the_floor_or_ceiling_of_its_share():
+    """Largest remainders of the budgets actually given: a layer whose share is below one token, raised to 1, does not
+    also take a remainder token (25 tokens, 4 layers, ratio 0.896, slope 0.637: shares 3.27 / 2.42 / 1.58 / 0.73 gave
+    3 / 2 / 1 / 2, the top layer over its share and over the layer below)."""
+    import math
+
+    from kvpress.utils import compute_n_kept
+
+    for length, layers, ratio, slope in ((25, 4, 0.896, 0.637), (40, 6, 0.95, 1.0), (9, 5, 0.8, 0.9)):
+        budgets = pyramid_budgets(length, layers, ratio, slope)
+        total = layers * compute_n_kept(length, ratio)
+        weight = [1 + slope * (1 - 2 * i / (layers - 1)) for i in range(layers)]
+        share = [total * w / sum(weight) for w in weight]
+        assert sum(budgets) == total and budgets == sorted(budgets, reverse=True)
+        assert all(max(1, math.floor(s)) <= b <= max(1, math.ceil(s)) for b, s in zip(budgets, share, strict=True))
+    assert pyramid_budgets(25, 4, 0.896, 0.637) == [3, 2, 2, 1]
+
+
+def test_pyramid_keeps_the_same_tokens_on_both_caches_when_scores_tie(model):
+    """SnapKV scores every token of its window alike; a layer budget below the window keeps the earliest of the tied
+    tokens on a DynamicCache (masked) as on a PiKVCache (by stable rank): the two next-step logits were 0.17 apart."""
+    ids = _ids(14, seed=3)
+    budgets = pyramid_budgets(14, 3, 0.724, 0.072)
+    assert budgets == [3, 3, 3]  # each below SnapKV's window of 4
+    press = PyramidPress(compression_ratio=0.724, slope=0.072, scorer=SnapKVPress(window_size=4))
+    with torch.no_grad():
+        dyn = DynamicCache()
+        with press(model):
+            nxt = model(ids, past_key_values=dyn).logits[:, -1:].argmax(-1)
+        masked = [layer.self_attn.masked_key_indices for layer in model.model.layers]
+        dyn_logits = model(nxt, past_key_values=dyn).logits
+        for layer in model.model.layers:
+            layer.self_attn.masked_key_indices = None
+        cache = PiKVCache(model, num_shards=1, page_size=4)
+        with press(model):
+            model(ids, past_key_values=cache)
+        pikv_logits = model(nxt, past_key_values=cache).logits
+    for i, (rows, heads, drop) in enumerate(masked):
+        view = cache.layers[i].view()
+        for h in range(view.pos.shape[1]):
+            kept = sorted(p for p in view.pos[0, h][view.valid[0, h]].tolist() if p < 14)
+            dropped = set(drop[(rows == 0) & (heads == h)].tolist())
+            assert kept == [t for t in range(14) if t not in dropped], (i, h)
+    assert (dyn_logits - pikv_logits).abs().max().item() < 1e-4
+    cache.detach()
+
+
+def test_a_second_compressor_on_a_pikv_layer_is_refused_and_an_equal_one_shares_the_tier(model):
+    """A layer's compressed tier holds one codec: two compressors composed (FastV crop, then 2-bit quantisation) put
+    the second one's tokens through the first one's codec (cropped, never quantised; logits 0.06 off the DynamicCache
+    run of both) with no error. Now the second is refused before it moves a token; a press equal but for its window
+    (one at prefill, another at decode) shares the tier; on a DynamicCache both still apply."""
+    ids = _ids(64)
+    both = ComposedPress([FastVCropPress(channels=4, window=32), QuantPress(bits=2, group_size=8, window=16)])
+    _prefill(model, DynamicCache(), ids, both)  # the simulation applies both
+    cache = PiKVCache(model, num_shards=1, page_size=4)
+    with pytest.raises(ValueError, match=r"QuantPress\(bits=2.*compressed by FastVCropPress\(channels=4\).*one codec"):
+        _prefill(model, cache, ids, both)
+    assert all(TIER not in layer.tiers for layer in cache.layers), cache.get_seq_length()  # the failed forward undone
+    cache.detach()
+    cache = PiKVCache(model, num_shards=1, page_size=4)
+    out = _prefill(model, cache, ids, QuantPress(bits=4, group_size=8, window=32))
+    after_prefill = int(cache.layers[0].tiers[TIER].tokens_per_shard().sum())
+    with torch.no_grad(), QuantPress(bits=4, group_size=8, window=16)(model):  # the same codec, a shorter window
+        for token in out[:, -1:].argmax(-1).repeat(1, 16).T:
+            model(token.view(1, 1), past_key_values=cache)
+    tier = cache.layers[0].tiers[TIER]
+    assert tier.codec.origin == QuantPress(bits=4, group_size=8).origin()
+    assert int(tier.tokens_per_shard().sum()) > after_prefill == 2 * 32  # both presses' tokens, one codec
+    with pytest.raises(ValueError, match="one codec"), torch.no_grad(), QuantPress(bits=2, group_size=8)(model):
+        model(out[:, -1:].argmax(-1), past_key_values=cache)
+    cache.detach()
 
 
 def test_streaming_llm_then_quantisation_composes_on_both_caches(model):

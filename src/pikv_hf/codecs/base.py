@@ -70,6 +70,7 @@ class Codec:
     page_level: bool = False  # True: the store calls encode_pages with whole pages (module docstring)
     code_bits: int | None = None  # KIVI-layout codes of this many bits a CPU decode reads as they are (attention.codes)
     lossless: bool = False  # decoding returns the keys and values the model produced, in its dtype
+    origin: str = ""  # what built it (a compressor press's description): a tier's tokens all come through one codec
 
     def fields(self, k_dim: int, v_dim: int, dtype: torch.dtype) -> dict[str, FieldSpec]:
         """The slot fields that hold one token's key and value."""

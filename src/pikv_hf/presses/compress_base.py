@@ -16,12 +16,15 @@ whose hook runs after every attention layer, at prefill and at decode steps:
 
 The prefill's own attention reads full-precision keys (the hook runs after it), as in KIVI. Compression stacks
 after eviction: ``kvpress.ComposedPress([StreamingLLMPress(0.5), QuantPress(bits=4)])`` evicts, then compresses
-what is kept (a selection of a layer that already holds a compressed tier is refused: evict first).
+what is kept (a selection of a layer that already holds a compressed tier is refused: evict first). A layer's tier
+holds its tokens through one codec: on a ``PiKVCache`` a second compressor of another kind or settings (two composed,
+or another one after the first) is refused before it moves a token (``CompressorPress.origin``); on a
+``DynamicCache`` the simulation applies both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -226,15 +229,30 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
         values[:, :, span] = v_hat.to(values.dtype)
         self._simulated[layer_idx] = done + n
 
+    def origin(self) -> str:
+        """What the codecs this press builds are, for :attr:`Codec.origin`: the press and its fields but the window and
+        sinks (presses equal in these share a layer's compressed tier, e.g. one at prefill and another at decode)."""
+        kept = (f for f in fields(self) if f.repr and f.name not in ("window", "n_sink"))
+        return f"{type(self).__name__}(" + ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in kept) + ")"
+
     def compress_layer(self, layer: PiKVLayer, prefilling: bool) -> None:
         """PiKVCache: move the hot store's tokens older than the window into the compressed tier (at prefill, or once
-        a page of them has gathered in a row: each row of a batch moves when it would alone)."""
+        a page of them has gathered in a row: each row of a batch moves when it would alone). A layer has one
+        compressed tier, its tokens all through one codec: a press of another :meth:`origin` (two compressors
+        composed) is refused before it moves anything."""
         if layer.store is None:
             return
         if not layer.has_view:
             raise RuntimeError(
                 f"{type(self).__name__}: layer {layer.layer_idx} keeps its shards in partitions (distributed); "
                 "compressed tiers are not supported there"
+            )
+        tier = layer.tiers.get(TIER)
+        if tier is not None and tier.codec.origin != self.origin():
+            raise ValueError(
+                f"{self.origin()}: layer {layer.layer_idx} of this PiKVCache already holds tokens compressed by "
+                f"{tier.codec.origin or type(tier.codec).__name__}, and a layer's compressed tier has one codec: "
+                "compose at most one compressor press per cache (an eviction press before it is fine)"
             )
         view = layer.view_index()
         old = view.valid & (view.pos < layer.seen - self.window) & (view.rel_pos >= self.n_sink)
@@ -248,6 +266,7 @@ class CompressorPress(PiKVPress, PrefillDecodingPress):
             hot = dense_view([layer.store], layer.row_start)
             mask = ~old.unsqueeze(-1)
             codec = self.build_codec(layer.layer_idx, hot.keys.masked_fill(mask, 0), hot.values.masked_fill(mask, 0))
+            codec.origin = self.origin()
         layer.move_to_tier(TIER, view, ~old, codec=codec, page_size=self.page_size)
 
     # ------------------------------------------------------------------ reports

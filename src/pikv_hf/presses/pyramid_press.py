@@ -25,7 +25,7 @@ def pyramid_budgets(length: int, num_layers: int, compression_ratio: float, slop
     weight = 1 + slope * (1 - 2 * layer / max(num_layers - 1, 1))
     share = total * weight / weight.sum()
     budget = share.floor().clamp(1, length)
-    remainder = share - share.floor()
+    remainder = share - budget  # of the clamped budget: a layer raised to 1 token is already past its share
     deficit = total - int(budget.sum())
     order = remainder.argsort(descending=True, stable=True).tolist()
     while deficit:  # largest remainders first (smallest first when over), never past [1, length]
@@ -98,7 +98,8 @@ class PyramidPress(PiKVScorerPress):
             return keys, values
         b, h, t, _ = keys.shape
         scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
-        drop = scores.topk(t - self.layer_budget(module, t), dim=-1, largest=False).indices  # [B, H, n]
+        # [B, H, n]: all but the budget's best under a stable sort (ties kept in order of position, as on a PiKVCache)
+        drop = scores.argsort(dim=-1, descending=True, stable=True)[..., self.layer_budget(module, t) :]
         rows = torch.arange(b, device=drop.device).view(b, 1, 1).expand_as(drop)
         heads = torch.arange(h, device=drop.device).view(1, h, 1).expand_as(drop)
         module.masked_key_indices = (rows.reshape(-1), heads.reshape(-1), drop.reshape(-1))
