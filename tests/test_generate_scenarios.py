@@ -111,6 +111,34 @@ def test_two_successive_generate_calls_on_one_cache(arch, router):
     assert torch.equal(fresh.sequences, second.sequences)
 
 
+def test_a_second_turn_mask_hiding_held_tokens_is_refused_and_one_hiding_padding_is_not():
+    """A left-padded batch's second turn on the same cache: its mask's zeros at the first turn's left padding (which
+    the cache holds no token of) are read as before and the turn equals DynamicCache's; zeros at tokens the cache holds
+    (rows' tokens after their end of sequence, masked by the caller) made the exact cache attend to them, 0.66 logits
+    off DynamicCache, with no error; they are now refused before the forward changes the cache."""
+    ref, model = model_pair("llama")
+    lengths, width = [7, 15, 11], 15
+    ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :], mask[i, width - n :] = prompt(n, seed=10 + i)[0], 1
+    kwargs = dict(pad_token_id=0, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref_cache, cache = DynamicCache(), pikv(model, "round_robin")
+    first = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, **kwargs)
+    ref.generate(ids, attention_mask=mask, past_key_values=ref_cache, max_new_tokens=4, **kwargs)
+    ids2 = torch.cat([first.sequences, prompt(5, batch=3, seed=99)], 1)
+    mask2 = torch.cat([mask, torch.ones(3, ids2.shape[1] - width, dtype=torch.long)], 1)
+    hidden = mask2.clone()
+    hidden[1, width + 1] = 0  # a generated token of row 1, held by the cache
+    seen = cache.get_seq_length()
+    with pytest.raises(ValueError, match=f"attention_mask is 0 at position {width + 1} of row 1, which this PiKVCache"):
+        model.generate(ids2, attention_mask=hidden, past_key_values=cache, max_new_tokens=3, **kwargs)
+    assert cache.get_seq_length() == seen
+    second = model.generate(ids2, attention_mask=mask2, past_key_values=cache, max_new_tokens=3, **kwargs)
+    second_ref = ref.generate(ids2, attention_mask=mask2, past_key_values=ref_cache, max_new_tokens=3, **kwargs)
+    assert torch.equal(second.sequences, second_ref.sequences)
+    assert max_logit_diff(second.logits, second_ref.logits) < TOL
+
+
 @pytest.mark.parametrize(("arch", "router"), SCENARIO_CASES)
 def test_direct_forward_loop(arch, router):
     ref, model = model_pair(arch)

@@ -245,6 +245,7 @@ class PiKVCache(ForwardAwareCache):
         every decode step wait for the device."""
         present = None
         if attention_mask is not None and attention_mask.dim() == 2 and (new_tokens > 1 or not self.rows_started):
+            self._check_mask_history(attention_mask, new_tokens)
             mask = attention_mask[:, -new_tokens:].to(torch.bool)
             if not bool(mask.all()):
                 present = mask
@@ -254,6 +255,27 @@ class PiKVCache(ForwardAwareCache):
         f = self._forward
         self._forwards.append(ForwardState(f.active, f.pikv, f.present, f.rows_started))
         f.active, f.pikv, f.present, f.positions, f.rows_started = True, pikv, present, None, started
+
+    def _check_mask_history(self, attention_mask: torch.Tensor, new_tokens: int) -> None:
+        """``ValueError`` (before the forward changes anything) if a 2-D ``attention_mask`` of one column per position
+        seen and new hides a position this cache already holds a token of: the cache reads padding from the new
+        columns only, and would attend to that token where a DynamicCache masks it (e.g. a second turn of a batch
+        whose mask zeroes the first turn's tokens after a row's end of sequence)."""
+        layer = next((la for la in self.layers if la.store is not None and la.has_view), None)
+        if layer is None or not layer.seen or attention_mask.shape[1] != layer.seen + new_tokens:
+            return
+        old = attention_mask[:, : layer.seen].to(torch.bool)
+        if bool(old.all()):
+            return
+        hidden = layer.held_positions(layer.seen) & ~old.to(layer.store.device)
+        if bool(hidden.any()):
+            row, pos = (int(i) for i in hidden.nonzero()[0])
+            raise ValueError(
+                f"attention_mask is 0 at position {pos} of row {row}, which this PiKVCache already holds a token of: "
+                f"the cache reads padding from the new columns of the mask only (the last {new_tokens}), so it would "
+                "attend to that token where a DynamicCache masks it; start a new cache for this context, or pass 1 "
+                "for the positions the cache holds"
+            )
 
     def forward_running(self) -> bool:
         return self._forward.active

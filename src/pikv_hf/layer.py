@@ -267,6 +267,16 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self._read_rows()
         self._padded = self._padded or present is not None
 
+    def held_positions(self, length: int) -> torch.Tensor:
+        """``[B, length]`` bool: the positions ``0 .. length - 1`` of which some store of this layer (the hot store and
+        its tiers) holds a token of the row, in some KV head (padding and evicted tokens are not held)."""
+        held = torch.zeros(self.store.batch, length + 1, dtype=torch.bool, device=self.store.device)
+        for st in self.stores.all():
+            pos = st.frame("pos").to(held.device).long()
+            at = torch.where(st.frame("valid").to(held.device) & (pos < length), pos, length).flatten(1)
+            held.scatter_(1, at, True)
+        return held[:, :length]
+
     def _read_rows(self) -> None:
         """Read back (one host read, only while some row is still open or after a batch change) whether a row has
         no real token yet and the range of the rows' first real positions, which ``_sparse_rows`` compares."""
