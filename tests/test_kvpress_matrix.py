@@ -288,3 +288,22 @@ def test_kvpress_own_compress_refuses_a_left_padded_batch_and_leaves_the_cache_e
         for c in (cache, fresh):
             model(input_ids=ids[1:], past_key_values=c)
     assert cache.layers[0].view().valid.sum().item() == fresh.layers[0].view().valid.sum().item() < 28 * 2
+
+
+@pytest.mark.parametrize(
+    "build", [_decoding, lambda: kvpress.CompressionRatioDecodingPress(_knorm(0.0), compression_interval=2)]
+)
+def test_kvpress_decoding_press_refuses_a_left_padded_batch_at_its_first_step(build):
+    """kvpress's DecodingPress (its own hook, not BasePress's) cut the dense keys of a left-padded PiKVCache batch
+    with no error: rows of 20 / 40 / 31 tokens kept 3 / 17 / 8 where each alone keeps 17. Refused at its first decode
+    step, whose token is cut back."""
+    _, model = model_pair("llama")
+    ids = prompt(40, batch=2, seed=4)
+    mask = torch.ones_like(ids)
+    mask[0, :20] = 0
+    cache = PiKVCache(model, page_size=4)
+    with torch.no_grad():
+        step = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        with build()(model), pytest.raises(ValueError, match="DecodingPress.*cannot cut a left-padded batch"):
+            model(input_ids=step, attention_mask=torch.cat([mask, torch.ones_like(step)], 1), past_key_values=cache)
+    assert cache.get_seq_length() == 40

@@ -7,9 +7,10 @@
   ExpectedAttention, ...) prefill a ``PiKVCache`` through ``pikv_hf.presses.base.scorer_hook``: their own ``score``,
   each row's budget counted on its own tokens (left padding takes none), evicted per (row, KV head). On any other
   cache their hook is kvpress's.
-* kvpress's other presses (their own ``compress`` on a layer's dense keys: AdaKV, ChunkKV, Block, ...) run on a
-  ``PiKVCache`` as on a ``DynamicCache``, except on a left-padded batch, which they are refused (its rows start at
-  different positions in the dense view).
+* kvpress's other presses (their own ``compress`` on a layer's dense keys: AdaKV, ChunkKV, Block, ...; and those
+  with a hook of their own on the cache's keys: ``DecodingPress`` and its subclasses, DMS, KVzip, FastKVzip,
+  KVCompose) run on a ``PiKVCache`` as on a ``DynamicCache``, except on a left-padded batch, which they are refused
+  (its rows start at different positions in the dense view).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def _remove_answer_from_cache(self, cache, cache_seq_lengths: list[int]) -> None
 _original_forward_hook = BasePress.forward_hook
 
 
-def _base_forward_hook(self, module, input, kwargs, output):
-    """kvpress's own hook (its ``compress`` on the layer's dense keys), refused on a PiKVCache holding a left-padded
-    batch: there each row's tokens are packed from its own start and the shorter rows filled at the end, so the
-    press scored the fill as tokens (kvpress's AdaKV, ChunkKV, Block kept none of a padded row's tokens). The
-    layer's new tokens are cut again first, so the cache is left as it was before the forward."""
+def _refuse_left_padded(press, module, kwargs: dict) -> None:
+    """Refuse a kvpress press acting on a layer's dense keys over a PiKVCache holding a left-padded batch: there each
+    row's tokens are packed from its own start and the shorter rows filled at the end, so the press scored the fill
+    as tokens (kvpress's AdaKV, ChunkKV, Block kept none of a padded row's tokens; a ``DecodingPress`` kept 3 and 8
+    tokens of two rows where each alone keeps 17). The layer's new tokens are cut again first, so the cache is left as
+    it was before the forward."""
     from pikv_hf.cache import PiKVCache
 
     cache = kwargs["past_key_values"]
@@ -50,11 +52,40 @@ def _base_forward_hook(self, module, input, kwargs, output):
             else:
                 layer.reset()  # as before its first tokens: it takes any batch again
             raise ValueError(
-                f"{type(self).__name__} (kvpress's own compress) cannot cut a left-padded batch in a PiKVCache: its "
-                "rows start at different positions. Run it one row at a time, or use a pikv_hf press or a kvpress "
-                "scorer press (each row's budget on its own tokens)"
+                f"{type(press).__name__} (kvpress's own compression of the layer's keys) cannot cut a left-padded "
+                "batch in a PiKVCache: its rows start at different positions. Run it one row at a time, or use a "
+                "pikv_hf press or a kvpress scorer press (each row's budget on its own tokens)"
             )
+
+
+def _base_forward_hook(self, module, input, kwargs, output):
+    """kvpress's own hook (its ``compress`` on the layer's dense keys), refused on a left-padded PiKVCache batch."""
+    _refuse_left_padded(self, module, kwargs)
     return _original_forward_hook(self, module, input, kwargs, output)
+
+
+def _guarded(hook):
+    """``hook`` (a kvpress press class's own ``forward_hook`` on the cache's keys) refused on a left-padded PiKVCache
+    batch first."""
+
+    def forward_hook(self, module, input, kwargs, output):
+        _refuse_left_padded(self, module, kwargs)
+        return hook(self, module, input, kwargs, output)
+
+    return forward_hook
+
+
+def _own_hooks() -> dict[type, object]:
+    """kvpress's press classes with a ``forward_hook`` of their own that reads or cuts the cache's keys (not those
+    that hand the call to inner presses: ComposedPress, PrefillDecodingPress, PerLayerCompressionPress), guarded."""
+    import kvpress
+
+    names = ("DecodingPress", "DMSPress", "FastKVzipPress", "KVComposePress", "KVzipPress")
+    classes = [getattr(kvpress, name) for name in names if hasattr(kvpress, name)]
+    return {cls: _guarded(cls.__dict__["forward_hook"]) for cls in classes if "forward_hook" in cls.__dict__}
+
+
+_GUARDED = _own_hooks()
 
 
 def _scorer_forward_hook(self, module, input, kwargs, output):
@@ -72,3 +103,5 @@ def install() -> None:
     KVPressTextGenerationPipeline._remove_answer_from_cache = _remove_answer_from_cache
     BasePress.forward_hook = _base_forward_hook
     ScorerPress.forward_hook = _scorer_forward_hook
+    for cls, hook in _GUARDED.items():
+        cls.forward_hook = hook
