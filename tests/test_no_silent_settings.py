@@ -121,8 +121,9 @@ def test_more_tokens_than_max_cache_len_are_refused_before_storing():
     _, model = model_pair("llama")
     cache = PiKVCache(model, max_cache_len=16)
     with pytest.raises(ValueError, match="40 tokens .* exceed max_cache_len=16"), torch.no_grad():
-        model(prompt(40), past_key_values=cache)
-    assert all(layer.store is None or int(layer.held().sum()) == 0 for layer in cache.layers)
+        model(prompt(40, batch=2), past_key_values=cache)
+    # nothing set up (layer 0 was, for a batch of 2, and refused a later batch of 1)
+    assert all(layer.store is None for layer in cache.layers) and cache.kv_nbytes() == 0
     with torch.no_grad():
         model(prompt(16), past_key_values=cache)
         with pytest.raises(ValueError, match="17 tokens \\(16 stored \\+ 1 new\\) exceed max_cache_len=16"):

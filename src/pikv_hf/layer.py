@@ -216,10 +216,10 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
 
     def _store(self, key_states: torch.Tensor, value_states: torch.Tensor, present: torch.Tensor | None) -> None:
         """Place and append new tokens (``present``: ``[B, q]``, False for padding, which takes no slot)."""
+        q = key_states.shape[2]
+        self._check_capacity(q)  # before the first tokens set the layer up for their batch
         if self.store is None:
             self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[2]
-        self._check_capacity(q)
         self.views.touch()
         token_index = self._token_index(q, key_states.device)
         self._note_rows(present, token_index)
