@@ -305,6 +305,25 @@ def test_fork_is_independent_and_decodes_like_the_original():
     assert not torch.allclose(routed, exact, atol=1e-6)
 
 
+def test_deepcopy_shares_the_expert_tap_and_continues_like_the_original():
+    """``copy.deepcopy`` (transformers' prefix-cache reuse recipe) is ``fork``: a plain deep copy took its own copy of
+    the model's expert tap, which no hook calls again, so the copy placed its new tokens by stale expert choices
+    (routed logits 0.66 off the original's continuation, shard counts apart, no fallback counted)."""
+    import copy
+
+    _, model = model_pair("qwen3_moe")
+    kwargs = dict(router="expert", attention="routed", top_k_shards=2, sparse_from=0, page_size=2, window=2, n_sink=1)
+    cache = PiKVCache(model, **kwargs)
+    first = generate(model, prompt(25, batch=2, seed=4), cache, max_new_tokens=5)
+    copied = copy.deepcopy(cache)
+    assert copied.layers[1].placement.tap is cache.layers[1].placement.tap
+    assert copied.backend is not cache.backend and copied.layers[0].store is not cache.layers[0].store
+    again = generate(model, first.sequences, copied, max_new_tokens=8)
+    original = generate(model, first.sequences, cache, max_new_tokens=8)
+    assert max_logit_diff(again.logits, original.logits) < 1e-5
+    assert torch.equal(copied.tokens_per_shard(), cache.tokens_per_shard())
+
+
 def test_routing_stats_name_layer_steps_and_decode_steps():
     """Overall figures a user reads per decode step are per decode step (summed over layers); per-layer ones per
     layer-step. Reference: the offload tier's pages (every routed read of all shards fetches all of them)."""

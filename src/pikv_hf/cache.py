@@ -364,15 +364,24 @@ class PiKVCache(ForwardAwareCache):
         """An independent copy of everything stored (pages, router and selector state, statistics).
 
         The copy shares only the model's expert tap, so several continuations (e.g. one per attention mode) can
-        be decoded from one prefill. Its gather workspace starts empty.
+        be decoded from one prefill. Its gather workspace starts empty. ``copy.deepcopy(cache)`` is the same.
         """
-        memo = {
-            id(layer.placement.tap): layer.placement.tap for layer in self.layers if hasattr(layer.placement, "tap")
-        }
-        memo[id(self.backend)] = backend = make_backend(self.backend.name)
-        memo[id(self.partition)] = self.partition  # shared: its process group, if any, serves the copy too
-        copied = copy.deepcopy(self, memo=memo)
-        assert copied.backend is backend
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo: dict) -> PiKVCache:
+        """:meth:`fork`: a copy of everything but what serves the model and the process: the expert tap (hooked on the
+        model's routers: a copied tap is never called again, and placing by it would read stale experts), the
+        partition plan (its process group) and the backend (a new one, its workspace empty)."""
+        for layer in self.layers:
+            tap = getattr(layer.placement, "tap", None)
+            if tap is not None:
+                memo.setdefault(id(tap), tap)
+        memo.setdefault(id(self.partition), self.partition)
+        memo.setdefault(id(self.backend), make_backend(self.backend.name))
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            copied.__dict__[name] = copy.deepcopy(value, memo)
         return copied
 
     def __iter__(self):
