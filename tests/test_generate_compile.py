@@ -126,3 +126,25 @@ def test_a_press_that_acts_while_decoding_refuses_a_compiled_decode_step(press, 
     with pytest.raises(Exception, match=message) as info:  # noqa: PT011 (Dynamo wraps the press's ValueError)
         _compiled_generate(model, PiKVCache(model, max_cache_len=64), [press()], [], **common)
     assert "disable_compile=True" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("read", "message"),
+    [
+        (dict(measure_recall=True), "cannot read with measure_recall=True"),
+        (dict(selector="adaptive"), "cannot read with selector 'adaptive' \\(it learns from recall\\)"),
+    ],
+)
+def test_a_read_that_measures_recall_refuses_a_compiled_decode_step(read, message):
+    """Recall is read back to the host and counted in Python every step: a compiled step with measure_recall
+    recompiled at every step (falling back to eager at the recompile limit), one with the adaptive selector failed
+    inside Dynamo on its sampling generator. Both now raise a ValueError that names the way out."""
+    model = tiny_model("llama", seed=0)
+    common = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    routed = dict(attention="routed", top_k_shards=2, num_shards=4, page_size=4, n_sink=2, window=4, sparse_from=0)
+    cache = PiKVCache(model, max_cache_len=64, **routed, **read)
+    with pytest.raises(Exception, match=message) as info:  # noqa: PT011 (Dynamo wraps the step's ValueError)
+        _compiled_generate(model, cache, [], [], **common)
+    assert "disable_compile=True" in str(info.value)
+    eager = PiKVCache(model, max_cache_len=64, **routed, **read)  # eagerly the same reads run
+    generate(model, eager, GenerationConfig(disable_compile=True, **common))

@@ -88,6 +88,8 @@ class DecodeStep:
         read to ``stats``; ``mass_of`` (a store of the group) also returns the attention mass of its slots
         (``Partial.mass`` / ``slots``)."""
         stores = group.stores
+        if record and torch.compiler.is_compiling():
+            self._refuse_traced_learning(sparse)
         if sparse:
             plans = self.policy.plans(group, x.grouped(group.heads), x.scale, x.qpos[-1:], x.row_start)
             if dense_rows is not None:
@@ -128,6 +130,19 @@ class DecodeStep:
             self._record(group, plans, parts, sparse)
             self._learn(group, x, plans[0], sparse, dense_rows)
         return out
+
+    def _refuse_traced_learning(self, sparse: bool) -> None:
+        """``ValueError`` inside a traced step that would measure recall (``measure_recall``) or teach a learning
+        selector: both read back to the host and count in Python every step, so a compiled step recompiled at every
+        step (recall) or failed to trace the selector's sampling (its ``torch.Generator``)."""
+        cfg = self.policy.config
+        if cfg.measure_recall or (sparse and self.policy.learns()):
+            why = "measure_recall=True" if cfg.measure_recall else f"selector {cfg.selector!r} (it learns from recall)"
+            raise ValueError(
+                f"a compiled decode step cannot read with {why}: recall is read back to the host and counted in Python "
+                "at every step; decode eagerly (generate(..., disable_compile=True)), or use measure_recall=False and "
+                "a selector that does not learn"
+            )
 
     @staticmethod
     def _record_mass(store: PagedStore, x: Query, part: Partial) -> None:
