@@ -490,6 +490,28 @@ def test_unsupported_model_is_refused_before_the_cache_changes():
     assert cache.get_seq_length() == 0 and math.isclose(cache.kv_nbytes(), 0)
 
 
+def test_quest_press_pages_a_left_padded_row_from_its_first_token_on_both_caches():
+    """On a DynamicCache Quest's pages and sinks started at position 0, padding included: a left-padded row of a batch
+    decoded 0.72 logits off the same row alone. Now its pages start at the row's first real token, as a PiKVCache's:
+    each row of the batch gives what it gives alone, on both caches."""
+    ref, model = model_pair("llama")
+    lengths, width = [9, 21, 14], 21
+    rows = [prompt(n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    ids, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+
+    def run(m, make, x, attention_mask=None):
+        with QuestPress(0.5, page_size=4, n_sink=1, window=2)(m):
+            return generate(m, x, make(), attention_mask=attention_mask, max_new_tokens=6).logits
+
+    for m, make in ((ref, DynamicCache), (model, lambda: PiKVCache(model, page_size=4, num_shards=1, sparse_from=0))):
+        batch = run(m, make, ids, mask)
+        for i, row in enumerate(rows):
+            alone = run(m, make, row[None])
+            assert max_logit_diff([a[0] for a in alone], [b[i] for b in batch]) < 1e-5, (make, i)
+
+
 def test_quest_press_below_sparse_from_warns_and_reads_densely(shipped_sparse_from):
     """Below the cache's ``sparse_from`` (shipped: 4096) a QuestPress on a PiKVCache reads every page: the output is
     the uncompressed cache's and the press says so, once, naming ``sparse_from``; with ``sparse_from=0`` it applies

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from kvpress.attention_patch import search_hyperplane
 from kvpress.presses.decoding_press import DecodingPress
 from kvpress.presses.scorer_press import ScorerPress
@@ -23,7 +24,13 @@ from pikv_hf.routing.scores import descending_rank, upper_bounds
 
 
 def quest_pages(
-    queries: torch.Tensor, keys: torch.Tensor, page_size: int, read_fraction: float, n_sink: int, window: int
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    page_size: int,
+    read_fraction: float,
+    n_sink: int,
+    window: int,
+    row_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, H, T]`` bool: the cached tokens Quest reads for one decode query (``queries`` ``[B, H, G, D]``, the query
     heads of each KV head, at position ``T``) over ``keys`` ``[B, H, T, D]`` in position order.
@@ -32,8 +39,16 @@ def quest_pages(
     ``n_sink`` tokens or one of the last ``window`` positions (the new token's page among them) are read always, and
     the pages with the largest upper bound ``max_g sum_d max(q_d min_d, q_d max_d)`` of ``q . k`` up to
     ``ceil(read_fraction * pages)`` pages in all, ties to the earlier page (as a PiKVCache's Quest read ranks its
-    pages).
+    pages). ``row_start`` (``[B]``): each row's left padding, which takes no page (its pages and sinks start at the
+    row's first real token, as in a PiKVCache) and is not read.
     """
+    if row_start is not None and bool(row_start.any()):
+        rows = [
+            F.pad(quest_pages(queries[i : i + 1], keys[i : i + 1, :, s:], page_size, read_fraction, n_sink, window),
+                  (s, 0), value=False)
+            for i, s in enumerate(row_start.tolist())
+        ]  # fmt: skip
+        return torch.cat(rows)
     b, h, t, d = keys.shape
     n_pages = math.ceil((t + 1) / page_size)
     padded = torch.nn.functional.pad(keys.float(), (0, 0, 0, n_pages * page_size - t))
@@ -63,8 +78,9 @@ class QuestPress(DecodingPress):
     dense read is faster on a CPU): a decode step that reads densely because of it warns once per ``with`` block
     (``PiKVCache(model, sparse_from=0)`` reads sparsely from the first step). On a
     ``DynamicCache`` a hook before every decode step's attention computes the query, selects pages of ``page_size``
-    tokens and replaces the other cached keys, for that step only, by a key no query of the head attends to
-    (kvpress's ``search_hyperplane``); the hook after the step puts the real keys back. (kvpress's own head-wise
+    tokens (a left-padded row's from its first real token, found from the step's ``position_ids``) and replaces the
+    other cached keys, for that step only, by a key no query of the head attends to (kvpress's
+    ``search_hyperplane``); the hook after the step puts the real keys back. (kvpress's own head-wise
     masking writes its fake keys into the cache for good, which is right for a fixed mask but not for a selection
     that changes at every step.) It is a kvpress ``DecodingPress`` so that kvpress's pipeline keeps it active while
     answering.
@@ -157,7 +173,10 @@ class QuestPress(DecodingPress):
         b, hq, _, d = queries.shape
         h = keys.shape[1]
         qg = queries.view(b, h, hq // h, d)
-        read = quest_pages(qg, keys, self.page_size, 1 - self.compression_ratio, self.n_sink, self.window)
+        # left padding: position_ids count a padded row's real tokens (generate), the cache all its positions
+        pos = kwargs.get("position_ids")
+        pads = None if pos is None else (keys.shape[2] - pos[:, -1].to(keys.device)).clamp(0, keys.shape[2]).expand(b)
+        read = quest_pages(qg, keys, self.page_size, 1 - self.compression_ratio, self.n_sink, self.window, pads)
         fake = search_hyperplane(qg.reshape(b * h, hq // h, d)).view(b, h, 1, d).to(keys.dtype)
         self._real_keys[module.layer_idx] = keys
         layer.keys = torch.where(read.unsqueeze(-1), keys, fake)
