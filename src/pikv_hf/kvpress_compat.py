@@ -58,12 +58,6 @@ def _refuse_left_padded(press, module, kwargs: dict) -> None:
             )
 
 
-def _base_forward_hook(self, module, input, kwargs, output):
-    """kvpress's own hook (its ``compress`` on the layer's dense keys), refused on a left-padded PiKVCache batch."""
-    _refuse_left_padded(self, module, kwargs)
-    return _original_forward_hook(self, module, input, kwargs, output)
-
-
 def _guarded(hook):
     """``hook`` (a kvpress press class's own ``forward_hook`` on the cache's keys) refused on a left-padded PiKVCache
     batch first."""
@@ -86,6 +80,8 @@ def _own_hooks() -> dict[type, object]:
 
 
 _GUARDED = _own_hooks()
+# kvpress's own hook (its ``compress`` on the layer's dense keys), refused on a left-padded PiKVCache batch
+_base_forward_hook = _guarded(_original_forward_hook)
 
 
 def _scorer_forward_hook(self, module, input, kwargs, output):
