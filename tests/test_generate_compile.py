@@ -148,3 +148,26 @@ def test_a_read_that_measures_recall_refuses_a_compiled_decode_step(read, messag
     assert "disable_compile=True" in str(info.value)
     eager = PiKVCache(model, max_cache_len=64, **routed, **read)  # eagerly the same reads run
     generate(model, eager, GenerationConfig(disable_compile=True, **common))
+
+
+def test_a_compiled_forward_before_any_prefill_is_refused_clearly():
+    """The first tokens set a reserved layer up on the host (its batch, its pages); a traced first forward failed
+    inside Dynamo on a data-dependent guard. It now raises a ValueError saying to prefill eagerly; the cache is left
+    as it was, and after an eager prefill the same compiled step runs and equals eager."""
+    model = tiny_model("llama", seed=0)
+    cache = PiKVCache(model, max_cache_len=32)
+    dynamo.reset()
+    step = torch.compile(
+        lambda t, p: model(t, past_key_values=cache, cache_position=p).logits, backend="aot_eager", fullgraph=True
+    )
+    ids = prompt(12)
+    with torch.no_grad(), pytest.raises(Exception, match="holds no tokens yet; prefill it eagerly first"):  # noqa: PT011
+        step(ids, torch.arange(12))
+    assert all(layer.store is None for layer in cache.layers)
+    twin = PiKVCache(model, max_cache_len=32)
+    with torch.no_grad():
+        for c in (cache, twin):
+            model(ids, past_key_values=c)
+        compiled = step(torch.tensor([[5]]), torch.tensor([12]))
+        eager = model(torch.tensor([[5]]), past_key_values=twin).logits
+    assert (compiled - eager).abs().max().item() < 1e-5

@@ -61,6 +61,11 @@ class StaticPiKVLayer(PiKVLayer):
 
     def _check_capacity(self, q: int) -> None:
         if _traced():
+            if self.store is None:  # the first tokens set the layer up (its batch, its reserved pages) on the host
+                raise ValueError(
+                    f"layer {self.layer_idx}: a compiled or captured forward on a PiKVCache that holds no tokens yet; "
+                    "prefill it eagerly first (generate does), then compile the decode step"
+                )
             return
         seen = self.seen
         if seen > self.max_cache_len:
