@@ -163,3 +163,21 @@ def test_key_cluster_router_state_follows_beam_reordering():
     placement = cache.layers[1].placement
     assert isinstance(placement, KeyClusterPlacement)
     assert placement.centroids.shape[0] == 3 and placement.counts.sum(-1).eq(22).all()
+
+
+def test_left_padding_in_earlier_mask_columns_costs_no_scan_of_the_stores(monkeypatch):
+    """Later chunks of a left-padded prefill carry the padding's zeros in their earlier mask columns: those hide
+    nothing the cache holds, so the history check answers from each row's first real position (no store scan)."""
+    from pikv_hf.layer import PiKVLayer
+
+    ref, model = model_pair("llama")
+    ids, mask = prompt(24, batch=2), torch.ones(2, 24, dtype=torch.long)
+    mask[0, :9] = 0
+    cache, ref_cache = pikv(model, "round_robin"), DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :12], attention_mask=mask[:, :12], past_key_values=cache)
+        monkeypatch.setattr(PiKVLayer, "held_positions", lambda *a: pytest.fail("scanned the stores"))
+        got = model(input_ids=ids[:, 12:], attention_mask=mask, past_key_values=cache).logits
+        ref(input_ids=ids[:, :12], attention_mask=mask[:, :12], past_key_values=ref_cache)
+        want = ref(input_ids=ids[:, 12:], attention_mask=mask, past_key_values=ref_cache).logits
+    assert max_logit_diff(got[1:], want[1:]) < TOL  # the unpadded row (the padded one's positions are the caller's)

@@ -264,10 +264,12 @@ class PiKVCache(ForwardAwareCache):
         layer = next((la for la in self.layers if la.store is not None and la.has_view), None)
         if layer is None or not layer.seen or attention_mask.shape[1] != layer.seen + new_tokens:
             return
-        old = attention_mask[:, : layer.seen].to(torch.bool)
-        if bool(old.all()):
+        old = attention_mask[:, : layer.seen].to(device=layer.store.device, dtype=torch.bool)
+        # zeros at a row's left padding (before its first real token) hide nothing it holds: no stores to scan
+        padding = torch.arange(layer.seen, device=old.device) < layer.row_start.unsqueeze(-1)
+        if bool((old | padding).all()):
             return
-        hidden = layer.held_positions(layer.seen) & ~old.to(layer.store.device)
+        hidden = layer.held_positions(layer.seen) & ~old
         if bool(hidden.any()):
             row, pos = (int(i) for i in hidden.nonzero()[0])
             raise ValueError(
