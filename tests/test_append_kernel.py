@@ -149,6 +149,57 @@ def _stores(num_shards: int, page_size: int) -> tuple[PagedStore, PagedStore]:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("window", [5, 0])
+def test_late_sinks_enter_their_entries(window):
+    """A row holding fewer than ``n_sink`` tokens gets its next ones as sinks: the ``t``-th real token of a row
+    (positions from ``row_start``) goes to special entry ``t < n_sink``, with or without a ring of recent tokens,
+    and nothing else changes there (the kernel, interpreted on CPU, equals the reference). Before, the store scanned
+    its whole frame again at every step while a row was short, and a compiled step recompiled when the row filled."""
+    n_sink, row_start = 3, torch.tensor([0, 5])
+    ref = _state(2)
+    width = n_sink + window
+    ref["ring_slots"] = torch.full((B, H, width), -1, dtype=torch.int64)
+    ref["ring_pos"] = torch.full((B, H, width), -(2**62), dtype=torch.int64)
+    ref["ring_slots"][:, :, 0], ref["ring_pos"][:, :, 0] = 7, 0  # row 0 holds its first token already
+    got = {name: None if t is None else t.clone().to(DEVICE) for name, t in ref.items()}
+    kernel = torch.cuda.is_available() or interpreted(append._append_one_kernel)
+    g = torch.Generator().manual_seed(3)
+    sinks = {}  # (row, entry) -> (slot [H], pos) expected
+    for pos in (1, 2, 5, 6, 9):
+        key, value = torch.randn(B, H, D, generator=g), torch.randn(B, H, D + 2, generator=g)
+        args = (None, row_start, pos, None, key, value, True)
+        want = append_one_reference(*_args(ref, *args), ref["ring_slots"], ref["ring_pos"], n_sink, window)
+        if kernel:
+            dev_args = (None, row_start.to(DEVICE), pos, None, key.to(DEVICE), value.to(DEVICE), True)
+            slot = append_one_kernel(*_args(got, *dev_args), got["ring_slots"], got["ring_pos"], n_sink, window)
+            assert torch.equal(slot.cpu(), want)
+        for b in range(B):
+            t = pos - int(row_start[b])
+            if 0 <= t < n_sink:
+                sinks[b, t] = (want[b], pos)
+    assert sorted(sinks) == [(0, 1), (0, 2), (1, 0), (1, 1)]  # rows' tokens at ordinals 1, 2 / 0, 1
+    for b in range(B):
+        for e in range(n_sink):
+            slot, pos = sinks.get((b, e), (torch.full((H,), 7 if (b, e) == (0, 0) else -1), 0 if b == 0 else None))
+            assert torch.equal(ref["ring_slots"][b, :, e], slot), (b, e)
+            assert bool((ref["ring_pos"][b, :, e] == (-(2**62) if pos is None else pos)).all()), (b, e)
+    if window:  # the ring: the newest token of each residue of the last positions
+        assert torch.equal(ref["ring_pos"][0, 0, n_sink:], torch.tensor([5, 6, 2, -(2**62), 9]))
+    if kernel:
+        for name in ("ring_slots", "ring_pos", "pos_pool", "count"):
+            assert torch.equal(got[name].cpu(), ref[name]), name
+
+
+def _args(st: dict, shard, row_start, pos: int, cap, key, value, write_kv: bool) -> tuple:
+    """The arguments of ``append_one_reference`` up to the page bounds (none kept)."""
+    return (
+        st["open_page"], st["open_fill"], st["n_pages"], st["start"], cap, shard, row_start,
+        torch.tensor([pos], device=st["start"].device), key, value, st["key_pool"] if write_kv else None,
+        st["value_pool"] if write_kv else None, st["pos_pool"], st["valid_pool"], st["bias_pool"], st["page_shard"],
+        st["count"], st["key_sum"], st["key_sq"], st["key_min"], st["key_max"], None, None,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "num_shards, page_size, round_robin, bounds", [(4, 4, False, True), (8, 16, True, True), (16, 1, False, False)]
 )

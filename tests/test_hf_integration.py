@@ -237,6 +237,36 @@ def test_decode_step_compiles_once_without_graph_breaks(read):
         assert cache.routing_stats()["overall"]["sparse_layer_steps"] == COMPILED_STEPS * len(cache.layers)
 
 
+@pytest.mark.parametrize("read", ["routed", "quest"])
+def test_compiled_sparse_step_does_not_recompile_while_a_short_row_fills(read):
+    """A left-padded row with fewer real tokens than sinks (2 of 8) beside a long one: its next tokens become sinks
+    in the store's special slots as they arrive. Before, the store scanned its whole frame inside every compiled step
+    while the row was short, and the step recompiled once the row held its 8 sinks."""
+    options = SPARSE_READS[read] | dict(n_sink=8, sparse_from=16)
+    model = tiny_model("llama", seed=0)
+    cache = PiKVCache(model, router="key_cluster", max_cache_len=96, **options)
+    t0 = 40
+    ids = prompt(t0, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, : t0 - 2] = 0
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        reference = cache.fork()
+        dynamo.reset()
+        compiled = torch.compile(
+            lambda t, m, p: model(t, attention_mask=m, past_key_values=cache, cache_position=p).logits,
+            backend="aot_eager", fullgraph=True,
+        )  # fmt: skip
+        for step in range(8):  # the short row holds its 8 sinks from step 6 on
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            token, pos = torch.tensor([[7 + step], [9 + step]]), torch.tensor([t0 + step])
+            with torch.compiler.set_stance("fail_on_recompile" if step >= WARMUP_STEPS else "default"):
+                got = compiled(token, mask, pos)
+            want = model(token, attention_mask=mask, past_key_values=reference, cache_position=pos).logits
+            assert (got - want).abs().max() < 1e-5
+    assert cache.routing_stats()["overall"]["sparse_layer_steps"] == 8 * len(cache.layers)
+
+
 EXPORTED = {  # (cache options, prefill press, prompt length)
     "exact": ({}, None, 20),
     "4-bit tier": (dict(router="key_cluster", page_size=8), lambda: QuantPress(bits=4, group_size=8, window=8), 20),

@@ -385,21 +385,22 @@ def _sinks_and_window(store: PagedStore, n_sink: int, window: int, row_start: to
             for b in range(store.batch) for h in range(store.heads)]  # fmt: skip
 
 
-@pytest.mark.parametrize("window", [6, 1])
-def test_special_slots_kept_through_decode_appends_are_the_sinks_and_the_last_window(window):
+@pytest.mark.parametrize("window, pad", [(6, 5), (1, 5), (6, 29), (0, 29)])
+def test_special_slots_kept_through_decode_appends_are_the_sinks_and_the_last_window(window, pad):
     """The sink and recent slots a store keeps (found once by a scan, then a ring written by the append operator, or
     by the general append of one masked token) are at every step the row's first ``n_sink`` tokens and its tokens of
     the last ``window`` positions, as read from the frame; the decode steps never scan again (no page moves: a
-    reserved store). Row 1 is left-padded, and a pad token arrives in the middle of decoding (general append, masked:
-    it takes no slot)."""
+    reserved store). Row 1 is left-padded (``pad`` 29: one real token, fewer than its sinks, which the next tokens
+    become; the store scanned its frame again at every step until the row filled, and a compiled step recompiled
+    then), and a pad token arrives in the middle of decoding (general append, masked: it takes no slot)."""
     from pikv_hf.store.special import SpecialSlots
 
-    b, h, d, n_sink, t0 = 2, 2, 8, 2, 30
+    b, h, d, n_sink, t0 = 2, 2, 8, 3, 30
     g = torch.Generator().manual_seed(5)
     store = PagedStore(b, h, d, d, 3, 4, torch.float32, torch.device("cpu"))
     present = torch.ones(b, h, t0, dtype=torch.bool)
-    present[1, :, :5] = False  # left padding
-    row_start = torch.tensor([0, 5])
+    present[1, :, :pad] = False  # left padding
+    row_start = torch.tensor([0, pad])
     store.append(torch.randn(b, h, t0, d, generator=g), torch.randn(b, h, t0, d, generator=g),
                  torch.randint(0, 3, (b, h, t0), generator=g), torch.arange(t0), present)  # fmt: skip
     store.reserve(40)  # room for every decode token in every shard: no page moves, so no slot changes
@@ -422,9 +423,9 @@ def test_special_slots_kept_through_decode_appends_are_the_sinks_and_the_last_wi
             shard = torch.randint(0, 3, (b, h, 1), generator=g)
             if t == t0 + 7:  # row 0 pads this step (general append, masked)
                 mask = torch.tensor([False, True]).view(b, 1, 1).expand(b, h, 1)
-                store.append(k, v, shard, torch.tensor([t]), mask, grow=False)
+                store.append(k, v, shard, torch.tensor([t]), mask, grow=False, row_start=row_start)
             else:
-                store.append_one(k, v, shard, torch.tensor([t]), grow=False)
+                store.append_one(k, v, shard, torch.tensor([t]), row_start, grow=False)
             got = _read_specials(store, n_sink, window, row_start, t)
             assert got == _sinks_and_window(store, n_sink, window, row_start, t), t
     finally:

@@ -239,7 +239,9 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
             self.store.append_one(key_states, value_states, shard, token_index, row_start, grow, position)
         else:
             slots_of = None if present is None else present.unsqueeze(1).expand_as(shard)
-            self.store.append(key_states, value_states, shard, token_index, slots_of, grow=not self.is_compileable)
+            self.store.append(
+                key_states, value_states, shard, token_index, slots_of, not self.is_compileable, self.row_start
+            )
         self._last_qpos, self._last_q = token_index, q
         self._advance(q)
         if q > 1 and self.policy.sparse:

@@ -87,9 +87,11 @@ class PartitionedStore:
         pos: torch.Tensor,
         present: torch.Tensor | None = None,
         grow: bool = True,
+        row_start: torch.Tensor | None = None,
     ) -> None:
         """Store each new token (``[B, H, q, D]``, shards ``[B, H, q]``, positions ``[q]``) in the local partition
-        owning its shard, if any; fold every key (but padding, ``present`` False) into the statistics."""
+        owning its shard, if any; fold every key (but padding, ``present`` False) into the statistics (``row_start``:
+        ``PagedStore.append``'s)."""
         b, h, _ = shard.shape
         bhs = torch.arange(b * h, device=shard.device).view(b, h, 1) * self.num_shards + shard
         if present is None:
@@ -100,7 +102,8 @@ class PartitionedStore:
             here = mine[shard] if present is None else mine[shard] & present
             if bool(here.any()):
                 d = part.device
-                part.append(keys.to(d), values.to(d), shard.to(d), pos.to(d), here.to(d), grow=grow)
+                rows = None if row_start is None else row_start.to(d)
+                part.append(keys.to(d), values.to(d), shard.to(d), pos.to(d), here.to(d), grow=grow, row_start=rows)
 
     def keep_summaries(self) -> None:
         """The statistics of every shard are always kept here (the selection is global)."""

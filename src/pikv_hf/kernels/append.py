@@ -14,8 +14,10 @@ routed cache, the shard's key sums / squares / min / max). Here it is one progra
    ``bias = 0``, the page's ``page_shard``, ``count[b, h, s] += 1`` and, with ``key_sum`` given, the shard's key
    sums and squares in float32, and its min / max with ``key_min`` given, and with ``page_min`` given the key bounds
    of the slot's page (Quest's, in their own dtype; each program owns its ``(row, head)``'s shards and pages: no
-   atomics), and with ``ring_slots`` given the token's entry in the store's ring of recent tokens
-   (``pikv_hf.store.special``: column ``n_sink + pos % window`` of ``ring_slots`` / ``ring_pos``).
+   atomics), and with ``ring_slots`` given the token's entries among the store's special slots
+   (``pikv_hf.store.special``): column ``n_sink + pos % window`` of ``ring_slots`` / ``ring_pos`` (the ring of recent
+   tokens), and column ``t`` when the token is its row's ``t``-th real one, ``t < n_sink`` (a late sink: the row held
+   fewer than ``n_sink`` tokens).
 
 The flat slot id ``(start + local_page) * P + offset`` of every token is returned (``[B, H]`` int64).
 :func:`append_one_reference` is the same in torch; it is the operator's CPU implementation (the kernel runs on CPU
@@ -30,6 +32,7 @@ import torch
 
 from pikv_hf.kernels._host import next_power_of_2
 from pikv_hf.kernels._triton import check_launchable, eager_direct, jit, tl
+from pikv_hf.store.special import write_sinks
 
 
 @jit
@@ -68,9 +71,19 @@ def _append_one_kernel(
     slot = (tl.load(start_ptr + bh) + local) * P + offset
     tl.store(slot_ptr + bh, slot)
     if RING:
-        entry = bh * (N_SINK + WINDOW) + N_SINK + pos.to(tl.int64) % WINDOW
-        tl.store(ring_slot_ptr + entry, slot)
-        tl.store(ring_pos_ptr + entry, pos.to(tl.int64))
+        row = bh * (N_SINK + WINDOW)
+        if WINDOW > 0:
+            entry = row + N_SINK + pos.to(tl.int64) % WINDOW
+            tl.store(ring_slot_ptr + entry, slot)
+            tl.store(ring_pos_ptr + entry, pos.to(tl.int64))
+        if N_SINK > 0:  # one of the row's first n_sink real tokens: its sink entry (empty: the row had fewer)
+            rel = pos.to(tl.int64)
+            if HAS_ROW_START:
+                rel = rel - tl.load(row_start_ptr + b)
+            sink = (rel >= 0) & (rel < N_SINK)
+            entry = row + tl.minimum(tl.maximum(rel, 0), N_SINK - 1)
+            tl.store(ring_slot_ptr + entry, slot, mask=sink)
+            tl.store(ring_pos_ptr + entry, pos.to(tl.int64), mask=sink)
     tl.store(pos_pool_ptr + slot, pos.to(tl.int32))
     tl.store(valid_pool_ptr + slot, 1)
     tl.store(bias_pool_ptr + slot, 0.0)
@@ -166,8 +179,11 @@ def append_one_reference(
     slot = ((start.unsqueeze(-1) + local) * p + offset).squeeze(-1)  # [B, H]
     if ring_slots is not None:
         at = pos.view(1, 1, 1).to(torch.int64).expand(b, h, 1)
-        ring_slots.scatter_(2, n_sink + at % window, slot.unsqueeze(-1))
-        ring_pos.scatter_(2, n_sink + at % window, at)
+        if window:
+            ring_slots.scatter_(2, n_sink + at % window, slot.unsqueeze(-1))
+            ring_pos.scatter_(2, n_sink + at % window, at)
+        if n_sink:  # one of the row's first n_sink real tokens: its sink entry (empty: the row had fewer)
+            write_sinks(ring_slots, ring_pos, slot.unsqueeze(-1), at, row_start, n_sink)
     flat = slot.reshape(-1)
     if key_pool is not None:
         key_pool.view(-1, key_pool.shape[-1]).index_copy_(0, flat, key.reshape(-1, key.shape[-1]))
@@ -218,7 +234,7 @@ def append_one_kernel(
         pos_pool, valid_pool, bias_pool, page_shard, count,
         *((key_sum, key_sq) if summary else (slot,) * 2), *((key_min, key_max) if bounds else (slot,) * 2),
         *((page_min, page_max) if page_bounds else (slot,) * 2), *((ring_slots, ring_pos) if ring else (slot,) * 2),
-        slot, h, n_shards, p, dk, dv, n_sink, max(window, 1),
+        slot, h, n_shards, p, dk, dv, n_sink, window,
         HAS_SHARD=shard is not None, HAS_ROW_START=row_start is not None, SATURATE=cap is not None,
         WRITE_KV=key_pool is not None, SUMMARY=summary, BOUNDS=bounds, PAGE_BOUNDS=page_bounds, RING=ring,
         BLOCK_DK=max(16, next_power_of_2(dk)), BLOCK_DV=max(16, next_power_of_2(dv)),

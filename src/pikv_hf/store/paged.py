@@ -230,6 +230,7 @@ class PagedStore:
         pos: torch.Tensor,
         present: torch.Tensor | None = None,
         grow: bool = True,
+        row_start: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store new tokens in their shards' pages.
 
@@ -248,6 +249,9 @@ class PagedStore:
             Grow the runs that need more pages. False: the capacity reserved beforehand (:meth:`reserve`) must
             suffice; nothing is checked (no host synchronisation), and a run past its capacity writes into its own
             last page (never another run's; ``table.n_pages`` then exceeds ``table.cap``).
+        row_start : torch.Tensor, optional
+            ``[B]`` position of each row's first real token (default 0): where a decode token's row counts its sinks
+            (the special slots, once found, are kept as tokens arrive).
 
         Returns
         -------
@@ -286,7 +290,7 @@ class PagedStore:
         if q > 1:  # a chunk (or tokens moved in from another store) may hold sinks: found again when next asked
             self._marks = None
         elif self._marks is not None:
-            self._marks.push(slot, positions, present is not None)
+            self._marks.push(slot, positions, row_start)
         return slot
 
     def append_one(
@@ -306,8 +310,8 @@ class PagedStore:
         sequence position (``position``: the same as a host int, when known and every row counts from 0). Slot
         assignment and the writes of the token, its page's shard, the shard's count and (once kept) key statistics
         are one operator (``pikv_hf.kernels.append``: one kernel launch on CUDA), with Quest's page bounds once kept
-        and the token's entry among the recent ones of the special slots once found; a codec's encoding and slot
-        statistics follow. Returns ``[B, H, 1]`` flat slots."""
+        and the token's entries among the special slots once found (a recent one; a sink while its row is short); a
+        codec's encoding and slot statistics follow. Returns ``[B, H, 1]`` flat slots."""
         if grow:
             self._reserve_one(shard is None, position)
         t, pool = self.table, self.pool
@@ -315,7 +319,8 @@ class PagedStore:
         identity = isinstance(self.codec, IdentityCodec)
         bounds = (pool["key_min"], pool["key_max"]) if self.page_bounds_kept else (None, None)
         marks = self._marks
-        ring = (marks.slots, marks.pos, marks.n_sink, marks.window) if marks and marks.window else (None, None, 0, 0)
+        kept = marks is not None and (marks.n_sink or marks.window)
+        ring = (marks.slots, marks.pos, marks.n_sink, marks.window) if kept else (None, None, 0, 0)
         slot = append_one(
             t.open_page, t.open_fill, t.n_pages, t.start, None if grow else t.cap,
             None if shard is None else shard.squeeze(-1), row_start, pos, keys.squeeze(2), values.squeeze(2),

@@ -6,7 +6,9 @@ keeps the recent ones as tokens arrive, so a decode step never scans the frame. 
 positions: entry ``n_sink + pos % window`` holds the newest stored token at a position ``pos`` of that residue, so a
 new token overwrites the one ``window`` positions before it, which no query reads any more (each residue occurs once
 among the last ``window`` positions): a decode step writes its token there in place, inside the append operator
-(``pikv_hf.kernels.append``), instead of shifting the window.
+(``pikv_hf.kernels.append``), instead of shifting the window. A row that holds fewer than ``n_sink`` tokens gets its
+later ones as sinks the same way (entry ``t`` for its ``t``-th real token), so the slots stay found, and a compiled
+step's guards stay true, while it fills.
 """
 
 from __future__ import annotations
@@ -23,16 +25,14 @@ _SINK_REACH = 2**61  # a sink is read at any distance from the query
 @dataclass
 class SpecialSlots:
     """Flat pool slots (``-1``: none) of the sinks, then the ring of recent tokens (module docstring), ``[B, H, n_sink +
-    window]``, with their positions ``pos`` (``EMPTY`` where there is no slot); ``short``: a row that may still
-    receive sinks had fewer than ``n_sink`` (scan again when asked next). ``reach`` (``[n_sink + window]``) is how
-    far before the query each entry may lie and still be read: any distance for a sink, less than ``window`` for a
-    recent token. Both tensors are contiguous and written in place as tokens arrive."""
+    window]``, with their positions ``pos`` (``EMPTY`` where there is no slot). ``reach`` (``[n_sink + window]``) is
+    how far before the query each entry may lie and still be read: any distance for a sink, less than ``window`` for
+    a recent token. Both tensors are contiguous and written in place as tokens arrive."""
 
     n_sink: int
     window: int
     slots: torch.Tensor
     pos: torch.Tensor
-    short: bool
     reach: torch.Tensor
 
     @classmethod
@@ -56,31 +56,29 @@ class SpecialSlots:
         rel = pos - row_start.view(-1, 1, 1)
         sinks, sink_pos = ranked(torch.where(valid & (rel < n_sink), rel, _NONE), n_sink, largest=False)
         recent, recent_pos = _ring(pos, valid, slots, window)
-        # a sink can still arrive by a decode step only in a row whose newest token here is one of its first n_sink
-        # (a store that holds none of a row's sinks and later tokens, such as the hot store beside a tier, is not
-        # short); a chunk appended resets the slots (PagedStore.append)
-        newest = torch.nn.functional.pad(torch.where(valid, rel, -1), (0, 1), value=-1).amax(-1, keepdim=True)
-        short = bool(((sinks < 0) & (newest < n_sink - 1)).any()) if n_sink else False
+        # a sink arriving later (a row held fewer than n_sink tokens) is written by push / the append operator into
+        # its entry, which no token found here holds: an entry's rank among the row's sinks is at most its ordinal;
+        # a chunk appended resets the slots (PagedStore.append)
         reach = torch.tensor([_SINK_REACH] * n_sink + [window] * window, dtype=torch.int64, device=pos.device)
-        return cls(n_sink, window, torch.cat([sinks, recent], -1), torch.cat([sink_pos, recent_pos], -1), short, reach)
+        return cls(n_sink, window, torch.cat([sinks, recent], -1), torch.cat([sink_pos, recent_pos], -1), reach)
 
     def fits(self, n_sink: int, window: int) -> bool:
         """Whether these slots answer a request for ``n_sink`` sinks and ``window`` recent tokens."""
-        return (self.n_sink, self.window) == (n_sink, window) and not self.short
+        return (self.n_sink, self.window) == (n_sink, window)
 
-    def push(self, slot: torch.Tensor, pos: torch.Tensor, masked: bool) -> None:
-        """The newest tokens (``[B, H, q]`` slots, ``-1`` for absent ones where ``masked``, which leave their entry as
-        it was) at positions ``pos`` (``[q]`` or ``[B, H, q]``) enter the ring of recent tokens, in place."""
-        if not self.window:
-            return
-        slot = slot[..., -self.window :]
-        pos = pos.to(torch.int64).expand(*slot.shape[:2], -1)[..., -slot.shape[-1] :]
-        at = self.n_sink + pos.remainder(self.window)
-        if masked:
-            pos = torch.where(slot >= 0, pos, self.pos.gather(2, at))
-            slot = torch.where(slot >= 0, slot, self.slots.gather(2, at))
-        self.slots.scatter_(2, at, slot)
-        self.pos.scatter_(2, at, pos)
+    def push(self, slot: torch.Tensor, pos: torch.Tensor, row_start: torch.Tensor | None) -> None:
+        """One decode token per (row, head) (``[B, H, 1]`` slots, ``-1`` for an absent one, which leaves the entries
+        as they were) at position ``pos`` (``[1]`` or ``[B, H, 1]``) enters the ring of recent tokens and, when it is
+        one of its row's first ``n_sink`` real tokens (counted from ``row_start``, ``[B]``; None: 0), the sinks; in
+        place."""
+        pos = pos.to(torch.int64).expand_as(slot)
+        present = slot >= 0
+        if self.window:
+            at = self.n_sink + pos.remainder(self.window)
+            self.slots.scatter_(2, at, torch.where(present, slot, self.slots.gather(2, at)))
+            self.pos.scatter_(2, at, torch.where(present, pos, self.pos.gather(2, at)))
+        if self.n_sink:
+            write_sinks(self.slots, self.pos, slot.masked_fill(~present, -1), pos, row_start, self.n_sink)
 
     def unread(self, qpos: torch.Tensor) -> torch.Tensor:
         """``[B, H, n_sink + window]`` bool: entries a query at ``qpos`` (one element) does not read (no slot; a recent
@@ -103,6 +101,20 @@ def _ring(
         hit = valid & (pos == newest.gather(2, at))  # the newest token of its residue
         ring.scatter_(2, torch.where(hit, at, window), slots)
     return ring[..., :window], newest
+
+
+def write_sinks(
+    slots: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor, at: torch.Tensor, row_start: torch.Tensor | None,
+    n_sink: int,
+) -> None:  # fmt: skip
+    """Enter tokens at flat ``slot`` (``[B, H, 1]``, ``-1``: absent) and position ``at`` (``[B, H, 1]``) as sinks of
+    special ``slots`` / ``pos`` (``[B, H, n_sink + window]``, in place) where a token is its row's ``t``-th real one,
+    ``t < n_sink`` (entry ``t``; positions counted from ``row_start``, ``[B]``, None: 0)."""
+    rel = at if row_start is None else at - row_start.view(-1, 1, 1)
+    sink = (rel >= 0) & (rel < n_sink) & (slot >= 0)
+    entry = rel.clamp(0, n_sink - 1)
+    slots.scatter_(2, entry, torch.where(sink, slot, slots.gather(2, entry)))
+    pos.scatter_(2, entry, torch.where(sink, at, pos.gather(2, entry)))
 
 
 def unread(pos: torch.Tensor, reach: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
