@@ -27,6 +27,8 @@ def _unchanged(cache, snap):
         (dict(num_shards=2.5), "num_shards must be an integer >= 1"),
         (dict(num_shards=32768), "num_shards must be at most 32767 \\(a page's shard id is int16\\), got 32768"),
         (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
+        # every shard opens a page at its first token: this asked the allocator for 2**47 bytes
+        (dict(page_size=2**40), "page_size must be at most 65536 tokens, got 1099511627776"),
         (dict(shard_groups=9, num_shards=4), "shard_groups must be an integer in \\[1, num_shards=4\\]"),
         (dict(shard_groups=True), "shard_groups must be an integer in \\[1, num_shards=4\\], got True"),
         (dict(page_size=True), "page_size must be an integer >= 1, got True"),

@@ -35,7 +35,7 @@ from pikv_hf.read import ReadStats, make_policy
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
 from pikv_hf.routing.expert import decoder_layers, num_experts_of
 from pikv_hf.static_layer import StaticPiKVLayer
-from pikv_hf.store.paged import check_num_shards
+from pikv_hf.store.paged import check_num_shards, check_page_size
 
 DEFAULT_DENSE_SHARDS = 8
 
@@ -76,7 +76,7 @@ class PiKVCache(ForwardAwareCache):
     num_shards : int, optional
         Shards per layer and KV head. Default: the model's number of routed experts, or 8 for a dense model.
     page_size : int
-        Tokens per page (default 16).
+        Tokens per page (default 16, at most 65536).
     shard_groups : int
         Exact attention computes one partial per group of shards and merges the partials with log-sum-exp, as
         shards on several devices would be (default 1).
@@ -142,7 +142,7 @@ class PiKVCache(ForwardAwareCache):
         if num_shards is None:
             num_shards = num_experts or DEFAULT_DENSE_SHARDS
         check_num_shards(num_shards)
-        check_int_at_least("page_size", page_size, 1)
+        check_page_size(page_size)
         if max_cache_len is not None:
             check_int_at_least("max_cache_len", max_cache_len, 1)
         if not isinstance(track_stats, bool):

@@ -12,7 +12,7 @@ from pikv_hf.config import ReadConfig
 from pikv_hf.eval.pikv_presses import PIKV_PRESSES, ROUTED_SUFFIX, sparse_read
 from pikv_hf.models.named import MODEL_LAYERS, MODEL_NAMES
 from pikv_hf.routing.expert import num_experts_of
-from pikv_hf.store.paged import check_num_shards
+from pikv_hf.store.paged import check_num_shards, check_page_size
 
 CACHES = ("dynamic", "pikv")
 ROUTERS = ("round_robin", "expert", "key_cluster")
@@ -140,7 +140,7 @@ class EvalConfig:
         if self.num_shards is not None:
             check_num_shards(self.num_shards)
         check_seed(self.seed)
-        check_int_at_least("page_size", self.page_size, 1)
+        check_page_size(self.page_size)
         layers = MODEL_LAYERS[self.model] if text_config is None else text_config.num_hidden_layers
         self.read.validated(None, layers)  # also for runs that never build a sparse point (dynamic cache, ...)
         if self.cache != "pikv":

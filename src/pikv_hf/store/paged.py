@@ -37,6 +37,7 @@ from pikv_hf.store.table import PageTable
 
 SHARD_DTYPE = torch.int16  # a page's shard id: 2 bytes a page (a routed page of one token holds one token)
 MAX_SHARDS = torch.iinfo(SHARD_DTYPE).max
+MAX_PAGE_SIZE = 2**16  # tokens per page
 
 
 def check_num_shards(num_shards: object) -> None:
@@ -45,6 +46,14 @@ def check_num_shards(num_shards: object) -> None:
     check_int_at_least("num_shards", num_shards, 1)
     if num_shards > MAX_SHARDS:
         raise ValueError(f"num_shards must be at most {MAX_SHARDS} (a page's shard id is int16), got {num_shards}")
+
+
+def check_page_size(page_size: object) -> None:
+    """``ValueError`` naming ``page_size`` unless it is an integer in ``[1, MAX_PAGE_SIZE]`` (every shard of every
+    (row, KV head) opens a page at its first token: a page of millions of slots asked the allocator for terabytes)."""
+    check_int_at_least("page_size", page_size, 1)
+    if page_size > MAX_PAGE_SIZE:
+        raise ValueError(f"page_size must be at most {MAX_PAGE_SIZE} tokens, got {page_size}")
 
 
 _META_FIELDS = {
@@ -96,6 +105,7 @@ class PagedStore:
         storage: str | None = None,
     ) -> None:
         check_num_shards(num_shards)
+        check_page_size(page_size)
         self.k_dim, self.v_dim, self.dtype, self.device = int(k_dim), int(v_dim), dtype, device
         self.num_shards, self.page_size = int(num_shards), int(page_size)
         self.codec = codec or IdentityCodec()
