@@ -146,6 +146,40 @@ def test_track_stats_accumulates_attention_mass():
     assert (store.frame("hits")[first] >= 1).all() and store.frame("hits").sum() > 0
 
 
+def test_decode_mass_beside_an_offload_tier_is_a_share_of_everything_read():
+    """A decode step over a hot store and an offload tier records each hot slot's share of the attention over both
+    (eager attention of the whole sequence is the reference): it was normalised over the hot store alone, 1.999
+    where the true mass is 1.685, so H2O and LRU budgets ranked hot tokens by an inflated, query-dependent mass."""
+    from pikv_hf.presses import FlexGenPress
+    from pikv_hf.tiny import tiny_model
+
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ref.set_attn_implementation("eager")
+    ids, new = prompt(8), torch.tensor([[17], [42]])
+    cache = PiKVCache(model, num_shards=1, page_size=4, track_stats=True)
+    with torch.no_grad():
+        with FlexGenPress(0.5, offload="cpu")(model):  # positions 0..3 to the offload tier, still attended
+            model(ids, past_key_values=cache)
+        store = cache.layers[0].store
+        store.pool["attn_mass"].zero_()  # the decode steps' mass only
+        store.pool["hits"].zero_()
+        for t in new:
+            model(t.view(1, 1), past_key_values=cache)
+        att = ref(torch.cat([ids, new.view(1, -1)], 1), output_attentions=True).attentions[0][0, :, -2:]
+    assert sorted(cache.layers[0].stores.tiers) == ["offload"]
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    valid, pos = store.frame("valid"), store.frame("pos").long()
+    for h in range(model.config.num_key_value_heads):
+        want = att[h * g : (h + 1) * g].sum((0, 1))  # [T]: this KV head's query heads, both steps
+        got = store.frame("attn_mass")[0, h][valid[0, h]]
+        torch.testing.assert_close(got, want[pos[0, h][valid[0, h]]], rtol=1e-4, atol=1e-5)
+        # a hit: more than a uniform share of a step's mass over all the tokens it read (hot and offloaded)
+        steps = att[h * g : (h + 1) * g].sum(0)  # [2, T]
+        share = steps > g / torch.tensor([[9.0], [10.0]])
+        hits = share.sum(0)[pos[0, h][valid[0, h]]]
+        assert torch.equal(store.frame("hits")[0, h][valid[0, h]].long(), hits)
+
+
 def test_reset_and_reuse():
     ref, model, _, cache = _prefilled(batch=1)
     cache.reset()

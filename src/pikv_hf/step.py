@@ -107,13 +107,12 @@ class DecodeStep:
                 x.sliding_window,
                 x.sinks if one else None,
                 self.groups,
-                s is mass_of,
+                one and s is mass_of,  # else once the merged log-sum-exp is known (below)
                 record,
                 i == 0 and group.holds_newest,  # the hot store holds the token being decoded
             )
             for i, (s, plan) in enumerate(zip(stores, plans, strict=True))
         ]
-        mass = next((p for s, p in zip(stores, parts, strict=True) if s is mass_of), parts[0])
         if one:
             out = parts[0]
         else:
@@ -123,9 +122,17 @@ class DecodeStep:
                 o, lse = merge_partials(self.remote(o, lse))
             if x.sinks is not None:
                 o, lse = merge_partials([(o, lse), sink_partial(x.sinks, o)])
-            out = Partial(o, lse, mass.mass, mass.slots)  # slots attended: per store, in _record
+            out = Partial(o, lse)  # slots attended: per store, in _record
+            if mass_of is not None:  # a slot's share of everything the query read: tiers, other ranks and sinks
+                i = next(i for i, s in enumerate(stores) if s is mass_of)
+                d = mass_of.device
+                mass = self.backend.attend(
+                    x.query.to(d), mass_of, plans[i], x.qpos.to(d), x.scale, x.sliding_window, None, self.groups,
+                    want_mass=True, mass_lse=lse.to(d),
+                )  # fmt: skip
+                out = Partial(o, lse, mass.mass, mass.slots)
         if mass_of is not None:
-            self._record_mass(mass_of, x, out)
+            self._record_mass(mass_of, x, out, sum(s.stats.count.sum(-1).to(mass_of.device) for s in stores))
         if record:
             self._record(group, plans, parts, sparse)
             self._learn(group, x, plans[0], sparse, dense_rows)
@@ -145,12 +152,13 @@ class DecodeStep:
             )
 
     @staticmethod
-    def _record_mass(store: PagedStore, x: Query, part: Partial) -> None:
+    def _record_mass(store: PagedStore, x: Query, part: Partial, held: torch.Tensor) -> None:
         """Accumulate each slot's attention mass (summed over the query rows of its KV head: its query heads times
         the row's real tokens of this call); a *hit* is a slot that received more than a uniform share of those rows'
-        mass; ``last_access`` is the position of the latest query that hit it."""
+        mass over the ``held`` tokens read (``[B, H]``: every store's); ``last_access`` is the position of the latest
+        query that hit it."""
         b, hq, q, _ = x.query.shape
-        n_valid = store.stats.count.sum(-1, keepdim=True).clamp(min=1)  # [B, H, 1]
+        n_valid = held.unsqueeze(-1).clamp(min=1)  # [B, H, 1]
         real = torch.full((b,), q, device=n_valid.device) if x.present is None else x.present.sum(-1)
         hit = part.mass * n_valid > (hq // store.heads * real).view(-1, 1, 1)
         store.add_stats(part.slots.reshape(-1), part.mass.reshape(-1), hit.reshape(-1), x.qpos[-1:])

@@ -222,12 +222,14 @@ class TorchBackend:
         want_mass: bool = False,
         count: bool = False,
         newest: bool = False,
+        mass_lse: torch.Tensor | None = None,
     ) -> Partial:
         """Attention of ``query`` (``[B, Hq, q, Dk]`` at positions ``qpos`` ``[q]``) over what ``plan`` reads.
 
         ``groups > 1`` computes one partial per shard group (shard ``s`` in group ``s * groups // S``) and merges
         them exactly, as shards on several devices would be. ``newest``: the store holds the query's own token
-        (every (row, head) has a slot to read).
+        (every (row, head) has a slot to read). ``mass_lse`` (``[B, Hq, q]``): what ``want_mass``'s probabilities
+        are normalised by when the queries read more than this store (``masked_attention``).
         """
         plan = trimmed(plan)
         if self._fusable(store, query.shape[2], groups, want_mass):
@@ -250,8 +252,9 @@ class TorchBackend:
             shard = store.pool["shard"][pages.clamp(min=0)].repeat_interleave(p, dim=-1).long().clamp(min=0)
         group = None if shard is None else shard * groups // store.num_shards
         o, lse, mass = masked_attention(
-            query, keys, values, ok, fields["pos"], qpos, scale, sliding_window, sinks, group, groups, want_mass
-        )
+            query, keys, values, ok, fields["pos"], qpos, scale, sliding_window, sinks, group, groups, want_mass,
+            mass_lse,
+        )  # fmt: skip
         slots = None
         if want_mass:
             slots = pages.unsqueeze(-1) * p + torch.arange(p, device=store.device)

@@ -64,6 +64,7 @@ def masked_attention(
     group_of_slot: torch.Tensor | None = None,
     groups: int = 1,
     want_mass: bool = False,
+    mass_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Exact GQA attention of new queries over slots, one partial per slot group, merged by log-sum-exp.
 
@@ -87,6 +88,9 @@ def masked_attention(
         ``[B, H, C]`` int64 group id in ``[0, groups)`` of every slot; one partial per group.
     want_mass : bool
         Also return the attention probability each slot received, summed over the query rows of its KV head.
+    mass_lse : torch.Tensor, optional
+        ``[B, Hq, q]``: the log-sum-exp the probabilities of ``want_mass`` are normalised by, when the queries read
+        more than these slots (other stores, other ranks); default: this call's own ``lse``.
 
     Returns
     -------
@@ -118,7 +122,8 @@ def masked_attention(
         if sinks is not None:
             o, lse = merge_partials([(o, lse), sink_partial(sinks, o)])
         if mass is not None:
-            prob = torch.exp(scores5 - lse.view(b, h, g, n, 1)).masked_fill(~allowed, 0.0)  # 0 for rows of no key
+            norm = lse if mass_lse is None else mass_lse[:, :, start : start + chunk]
+            prob = torch.exp(scores5 - norm.reshape(b, h, g, n, 1)).masked_fill(~allowed, 0.0)  # 0: rows of no key
             mass += prob.sum(dim=(2, 3))
         outs.append(o)
         lses.append(lse)

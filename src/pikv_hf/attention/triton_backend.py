@@ -63,11 +63,12 @@ class TritonBackend(TorchBackend):
         want_mass: bool = False,
         count: bool = False,
         newest: bool = False,
+        mass_lse: torch.Tensor | None = None,
     ) -> Partial:
         """As :meth:`TorchBackend.attend`; ``attended`` (with ``count``) is computed by the kernel."""
         if not self.fused(store, query.shape[2], groups, want_mass):
             return super().attend(
-                query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count, newest
+                query, store, plan, qpos, scale, sliding_window, sinks, groups, want_mass, count, newest, mass_lse
             )
         pool, table = store.pool, store.table
         if plan.exact:
