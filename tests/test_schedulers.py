@@ -390,6 +390,59 @@ def test_decode_budget_by_index_on_a_dynamic_cache_keeps_position_order(n_sink):
     assert max((a - b).abs().max().item() for a, b in zip(want, got, strict=True)) < 1e-4
 
 
+def test_decode_budget_h2o_on_a_dynamic_cache_scores_with_the_queries_the_steps_used():
+    """DecodingBudgetPress(H2OPress) on a DynamicCache (kvpress's DecodingPress): at every cut, H2O's mass of each
+    key is the mass the buffered steps' real queries (captured from the attention calls) gave it. After the first cut
+    the queries were rotated at the cut cache's index positions instead of their own (mass off by 0.01, another
+    token kept)."""
+    base, cuts, queries = H2OPress(0.0, recent_ratio=0.0), [], []
+
+    def capture(module, query, *args, **kwargs):
+        if module.layer_idx == 0 and query.shape[2] == 1:
+            queries.append(query[0].double())  # [Hq, 1, D]
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register("capture_steps", capture)
+    model = tiny_model("llama", seed=0)
+    model.set_attn_implementation("capture_steps")
+    score = base.score
+
+    def spy(module, hidden_states, keys, values, attentions, kwargs):
+        out = score(module, hidden_states, keys, values, attentions, kwargs)
+        if module.layer_idx == 0:
+            cuts.append((keys[0].double(), out[0].double(), len(queries), hidden_states.shape[1]))
+        return out
+
+    base.score = spy
+    t0, cache = 40, DynamicCache()
+    with torch.no_grad(), DecodingBudgetPress(base, target_size=12, compression_interval=4)(model):
+        model(prompt(t0), past_key_values=cache)
+        for s in range(8):
+            p = torch.tensor([t0 + s])
+            model(torch.tensor([[5 + s]]), past_key_values=cache, cache_position=p, position_ids=p.view(1, 1))
+    assert [(k.shape[1], n) for k, _, _, n in cuts] == [(44, 4), (16, 4)]
+    scale, g = model.model.layers[0].self_attn.scaling, model.config.num_attention_heads // 2
+    for keys, got, seen, n in cuts:
+        t = keys.shape[1]
+        q = torch.cat(queries[seen - n : seen], 1)  # [Hq, n, D]
+        logits = q @ keys.repeat_interleave(g, 0).transpose(-1, -2) * scale
+        causal = torch.arange(t) <= torch.arange(t - n, t).view(-1, 1)  # the queries are the last n keys' tokens
+        want = logits.masked_fill(~causal, float("-inf")).softmax(-1).view(-1, g, n, t).sum((1, 2))
+        torch.testing.assert_close(got[:, :-1], want[:, :-1], rtol=1e-4, atol=1e-5)  # the newest key is forced in
+
+
+def test_query_scoring_press_after_a_cut_on_a_dynamic_cache_is_refused():
+    """H2O / LRU / LRU+ second in a ComposedPress on a DynamicCache: the first press removed some of the prefill's
+    own keys, whose positions the cache does not keep; refused naming the press (an IndexError from an empty
+    reduction before)."""
+    ref, _ = model_pair("llama")
+    for second in (LRUPress(0.5), H2OPress(0.5)):
+        press = kvpress.ComposedPress([kvpress.StreamingLLMPress(0.75, n_sink=2), second])
+        with pytest.raises(ValueError, match=f"{type(second).__name__}: the layer holds 29 keys for the 118 queries"):
+            with torch.no_grad(), press(ref):
+                ref(prompt(118), past_key_values=DynamicCache())
+
+
 def test_streaming_llm_budget_below_its_sinks_keeps_the_earliest_sinks_on_both_caches():
     """37 tokens at ratio 0.9 keep 3 per head, fewer than ``n_sink=4``: both caches keep positions 0-2 and decode the
     same logits (every sink scored +inf, kvpress's topk and PiKV's stable sort kept different sinks, logits off by

@@ -28,8 +28,9 @@ class CommandLineError(ValueError):
     """Bad input to a ``pikv-hf`` command, found before any work: printed as one ``pikv-hf CMD: error:`` line."""
 
 
-def calling_press() -> str:
-    """The class name of the outermost kvpress press whose hook is running (for error messages), or ``"code"``."""
+def calling_press(innermost: bool = False) -> str:
+    """The class name of the outermost (or ``innermost``) kvpress press whose hook is running (for error messages),
+    or ``"code"``."""
     from kvpress import BasePress  # only when an error is being raised
 
     name = "code"
@@ -38,6 +39,8 @@ def calling_press() -> str:
         owner = frame.f_locals.get("self")
         if isinstance(owner, BasePress):
             name = type(owner).__name__
+            if innermost:
+                break
         frame = frame.f_back
     return name
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pikv_hf.checks import calling_press
+
 _SCORE_BUDGET_BYTES = 128 * 2**20  # fp32 probability bytes per query chunk (at most)
 _SCORE_HIDDEN_RATIO = 4  # ... and at most this many fp32 copies of the layer input (below an MLP's activations)
 
@@ -82,12 +84,32 @@ _MEMO: dict[int, dict] = {}  # id(hidden states) -> {(module, keys shape): stati
 class KeyLayout:
     """Where keys sit and which queries count, for :func:`attention_statistics` over a PiKVCache view: key positions
     ``pos`` and ``valid`` (``[B, H, T]``), the queries' positions ``query_pos`` (``[q]``) and ``query_ok`` (``[B, q]``,
-    False for left padding, or None). Without one, key ``j`` is position ``j`` and the queries are the last ``q``."""
+    False for left padding, or None). Without one (:meth:`dense`) the queries are the last ``q`` keys' tokens."""
 
     pos: torch.Tensor
     valid: torch.Tensor
     query_pos: torch.Tensor
     query_ok: torch.Tensor | None = None
+
+    @classmethod
+    def dense(cls, t: int, n: int, kwargs: dict, device: torch.device) -> KeyLayout:
+        """The layout of ``t`` position-ordered keys (a ``DynamicCache`` layer) whose last ``n`` are the tokens of the
+        ``n`` queries: those at their true positions, the last ``n`` up to the forward's ``cache_position`` (the
+        decode steps a buffer of hidden states spans, or the prefill itself); an earlier key ``j`` is read as
+        position ``j``, before every query (a cache cut earlier keeps no positions: only the order and the
+        queries' own keys count). ``ValueError`` when a press before this one removed some of the queries' own
+        keys (``t < n``): where they were is not known."""
+        if t < n:
+            raise ValueError(
+                f"{calling_press(innermost=True)}: the layer holds {t} keys for the {n} queries it scores, so a press "
+                "before it removed some of those queries' own tokens, whose positions a DynamicCache does not keep; "
+                "put it first in a ComposedPress, or use a PiKVCache, which keeps every token's position"
+            )
+        cache_position = kwargs.get("cache_position")
+        last = t - 1 if cache_position is None else int(cache_position.reshape(-1)[-1])
+        query_pos = torch.arange(last - n + 1, last + 1, device=device)
+        pos = torch.cat([torch.arange(t - n, device=device), query_pos])
+        return cls(pos.expand(1, 1, t), torch.ones(1, 1, t, dtype=torch.bool, device=device), query_pos)
 
     @classmethod
     def of(cls, layer, view) -> KeyLayout:
@@ -136,10 +158,7 @@ def _attention_statistics(
     n = hidden_states.shape[1]
     device = keys.device
     if layout is None:
-        layout = KeyLayout(
-            torch.arange(t, device=device).expand(b, h, t), torch.ones(b, h, t, dtype=torch.bool, device=device),
-            torch.arange(t - n, t, device=device),
-        )  # fmt: skip
+        layout = KeyLayout.dense(t, n, kwargs, device)
     queries = model_queries(module, hidden_states, kwargs, layout.query_pos)  # [B, Hq, q, D]
     hq, d = queries.shape[1], queries.shape[3]
     g = hq // h
