@@ -251,6 +251,30 @@ def test_per_layer_masked_reference_is_kvpress_own_dynamic_cache_run_where_that_
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+@pytest.mark.parametrize("composed", [False, True])
+def test_key_channels_a_press_zeroes_in_place_are_zeroed_in_the_cache(composed):
+    """ThinK zeroes pruned key channels in place on the keys it read, then assigns the same tensor back: a PiKVCache
+    holds the DynamicCache's keys (16 zeroed channels in layer 0) and decodes its logits. The edit was lost (the same
+    tensor meant "no change"), the logits off by up to 0.6."""
+    ref, model = model_pair("llama")
+    ids = prompt(22, seed=46)
+
+    def press():
+        think = kvpress.ThinKPress(key_channel_compression_ratio=0.5, window_size=4)
+        return kvpress.ComposedPress([_snap(0.25), think]) if composed else think
+
+    caches, logits = (DynamicCache(), PiKVCache(model, page_size=PAGE)), []
+    for m, cache in zip((ref, model), caches, strict=True):
+        with torch.no_grad(), press()(m):
+            m(ids, past_key_values=cache)
+            at = torch.tensor([[22]])
+            logits.append(m(torch.tensor([[5]]), past_key_values=cache, position_ids=at, cache_position=at[0]).logits)
+    for dyn, pikv in zip(caches[0].layers, caches[1].layers, strict=True):  # kvpress keeps SnapKV's in score order
+        zeroed = [(layer.keys[:, :, :-1] == 0).all(2) for layer in (dyn, pikv)]  # before the decoded token
+        assert torch.equal(*zeroed) and int(zeroed[0].sum()) == 16
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
+
+
 def test_head_wise_press_frees_bytes_that_kvpress_only_masks():
     ref, model = model_pair("llama")
     press = kvpress.AdaKVPress(_snap())

@@ -4,7 +4,7 @@ Presses act through this small API instead of the stores: :meth:`LayerEdits.view
 (position-ordered entries to score), :meth:`LayerEdits.keep`, :meth:`LayerEdits.offload_tokens` and
 :meth:`LayerEdits.move_to_tier` (of view entries), :meth:`LayerEdits.slot_stat` (named per-slot statistics in view
 order), :meth:`LayerEdits.held`; kvpress's head-wise masks (:meth:`LayerEdits.apply_head_masks`) and presses that
-rewrite keys or values (:meth:`LayerEdits.write_values`, :meth:`LayerEdits.rewrite`) end up here too, and so do the
+rewrite keys or values (:meth:`LayerEdits.write_entries`, :meth:`LayerEdits.rewrite`) end up here too, and so do the
 dense tensors another attention implementation reads (:meth:`LayerEdits.dense_kv`) and the attention weights eager
 consumers ask for. ``PiKVLayer`` (``layer.py``) mixes it in.
 """
@@ -220,19 +220,21 @@ class LayerEdits:
         if keep.device != st.device:
             raise ValueError(f"keep must be on the layer's device {st.device}, got {keep.device}")
 
-    def write_values(self, view: DenseView, index: torch.Tensor, values: torch.Tensor) -> None:
-        """Overwrite the values of ``view``'s entries ``index`` (``[B, H, n]``) with ``values`` (``[B, H, n, Dv]``):
-        what kvpress's MergingPress merges into the tokens it keeps. Keys and positions stay."""
+    def write_entries(self, view: DenseView, index: torch.Tensor, name: str, new: torch.Tensor) -> None:
+        """Overwrite the ``name`` (``"keys"`` / ``"values"``) of ``view``'s entries ``index`` (``[B, H, n]``) with
+        ``new`` (``[B, H, n, D]``): the values kvpress's MergingPress merges into the tokens it keeps, the keys ThinK
+        prunes channels of in place. The tokens and their positions stay (``PagedStore.write_slots``)."""
         st = self.store
-        check_tensor("values", values, dims=4, dtype=st.dtype, device=st.device)
-        if tuple(values.shape) != (*index.shape, st.v_dim):
+        check_tensor(name, new, dims=4, dtype=st.dtype, device=st.device)
+        dim = st.k_dim if name == "keys" else st.v_dim
+        if tuple(new.shape) != (*index.shape, dim):
             raise ValueError(
-                f"layer {self.layer_idx}: values written to {tuple(index.shape)} entries must be "
-                f"{(*index.shape, st.v_dim)}, got {tuple(values.shape)}"
+                f"layer {self.layer_idx}: {name} written to {tuple(index.shape)} entries must be "
+                f"{(*index.shape, dim)}, got {tuple(new.shape)}"
             )
         slots = st.frame_slots().gather(2, view.frame_index.gather(2, index).clamp(min=0))
         ok = view.valid.gather(2, index)
-        st.pool.write("values", slots[ok], values[ok])
+        st.write_slots(name, slots[ok], new[ok])
         self.views.touch()
 
     def rewrite(self, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -41,7 +41,7 @@ class ViewedLayer(Protocol):
     def crop(self, max_length: int) -> None: ...
     def keep(self, view: DenseView, keep: torch.Tensor) -> None: ...
     def rewrite(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
-    def write_values(self, view: DenseView, index: torch.Tensor, values: torch.Tensor) -> None: ...
+    def write_entries(self, view: DenseView, index: torch.Tensor, name: str, new: torch.Tensor) -> None: ...
     def apply_head_masks(self, masks, view: DenseView | None = None) -> None: ...
     def attention_module(self) -> torch.nn.Module | None: ...
 
@@ -215,6 +215,7 @@ class LayerViews:
         self._layer = weakref.ref(layer)
         self._view: DenseView | None = None
         self._pending: dict[str, tuple] = {}  # assignments to keys / values waiting for their partner
+        self._versions: dict[str, int] = {}  # the snapshot's keys / values version counters when it was taken
 
     @property
     def layer(self) -> ViewedLayer:
@@ -224,6 +225,7 @@ class LayerViews:
         """A copy serving the copy of the layer (``PiKVCache.fork`` deep-copies the layer, which it is in ``memo``)."""
         new = LayerViews(memo.get(id(self.layer), self.layer))
         new._view, new._pending = copy.deepcopy(self._view, memo), copy.deepcopy(self._pending, memo)
+        new._versions = new._kv_versions()
         return new
 
     def touch(self) -> None:
@@ -258,7 +260,12 @@ class LayerViews:
         v = self._view
         if v is None or v.keys is None:
             self._view = v = dense_view(self.layer.stores.all(), self.layer.row_start)
+            self._versions = self._kv_versions()
         return v
+
+    def _kv_versions(self) -> dict[str, int]:
+        v = self._view
+        return {} if v is None or v.keys is None else {"keys": v.keys._version, "values": v.values._version}
 
     def index(self) -> DenseView:
         """The hot store's view index tensors alone (keys and values None), without copying keys and values."""
@@ -281,8 +288,8 @@ class LayerViews:
         given = v.keys if kind == "keys" else v.values
         other = "values" if kind == "keys" else "keys"
         partner = self._pending.pop(other, None)
-        if new is given:
-            action: tuple = ("same",)
+        if new is given:  # edited in place (ThinK zeroes key channels) or not at all
+            action: tuple = ("same",) if new._version == self._versions.get(kind) else ("edited",)
         elif (n := prefix_length(new, given)) is not None:
             action = ("crop", n)
         elif partner is not None and partner[0] == "keep" and _is_gather(given, partner[1], new):
@@ -307,11 +314,17 @@ class LayerViews:
 
     def _apply(self, keys_action: tuple, values_action: tuple) -> None:
         layer, v = self.layer, self._view
+        for kind, action in (("keys", keys_action), ("values", values_action)):
+            if action[0] == "edited":  # the same tokens, new contents: every entry written back
+                self._refuse_tiers(f"an edit of the {kind} in place")
+                index = torch.arange(v.pos.shape[-1], device=v.pos.device).expand_as(v.pos)
+                layer.write_entries(v, index, kind, v.keys if kind == "keys" else v.values)
+        keys_action, values_action = (("same",) if a[0] == "edited" else a for a in (keys_action, values_action))
         if keys_action[0] == "rewrite":  # re-rotated or merged keys: they carry positions of their own
             layer.rewrite(keys_action[1], _resolve(values_action, v.values))
         elif values_action[0] == "rewrite":  # new values (merged) for the tokens the keys name
             self._refuse_tiers("a rewrite of the values")
-            layer.write_values(v, _entries(keys_action, v), values_action[1])
+            layer.write_entries(v, _entries(keys_action, v), "values", values_action[1])
             self._select(keys_action, v)
         elif not _same(keys_action, values_action):
             raise ValueError(

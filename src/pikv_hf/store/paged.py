@@ -514,6 +514,21 @@ class PagedStore:
         """Decoded keys ``[B, H, W * P, Dk]`` and values ``[B, H, W * P, Dv]`` over the frame."""
         return self.codec.decode({n: self.frame(n) for n in self.kv_fields})
 
+    def write_slots(self, name: str, slots: torch.Tensor, new: torch.Tensor) -> None:
+        """Overwrite the ``name`` (``"keys"`` / ``"values"``) of flat ``slots`` (``[M]``) with ``new`` (``[M, D]``)
+        in a store that keeps them as they are (identity codec): the tokens stay in their slots; new keys leave the
+        shard key statistics to be recounted when next read and rebuild Quest's page bounds."""
+        if not isinstance(self.codec, IdentityCodec):
+            raise ValueError(
+                f"{name} can be overwritten in a store that keeps them as they are; this one encodes them with "
+                f"{type(self.codec).__name__}"
+            )
+        self.pool.write(name, slots, new)
+        if name == "keys":
+            self._sums_stale = self._bounds_stale = True
+            if self.page_bounds_kept:
+                rebuild_page_bounds(self.pool, self._decoded()[0])
+
     def mark_sums_stale(self) -> None:
         """Recount the shard key sums from the pages before they are next read (the stores they span changed)."""
         self._sums_stale = True
