@@ -59,6 +59,14 @@ PREFILL = {  # presses acting at prefill: name -> factory(model)
     "kvpress_streaming_llm": lambda m: kvpress.StreamingLLMPress(0.5, n_sink=2),
     "adakv_snapkv": lambda m: AdaKVPress(kvpress.SnapKVPress(0.5, window_size=4)),
     "pyramid_snapkv": lambda m: PyramidPress(0.5, scorer=kvpress.SnapKVPress(window_size=4)),
+    # a kvpress scorer second in a ComposedPress: the first left the rows fewer tokens than the forward's queries,
+    # and different numbers of them (the batch was scored at once, a short row's zero fill read as its newest keys)
+    "composed_snapkv": lambda m: kvpress.ComposedPress(
+        [kvpress.SnapKVPress(0.25, window_size=4), kvpress.SnapKVPress(0.25, window_size=4)]
+    ),
+    "composed_streaming_tova": lambda m: kvpress.ComposedPress(
+        [kvpress.StreamingLLMPress(0.25, n_sink=2), kvpress.TOVAPress(0.25)]
+    ),
 }
 DECODE = {  # DecodingBudgetPress over each base press that ranks decoding tokens from the cache's statistics
     "budget_h2o": lambda m: H2OPress(),

@@ -120,23 +120,27 @@ def kvpress_scores(
     """``[B, H, T]`` scores of ``view``'s entries from a kvpress-style ``scorer.score`` (which reads keys laid out as
     on a DynamicCache, indexed against the hidden states: a window of the last queries, sinks and recent tokens by
     index, budgets from the hidden states' length). The view packs each (row, head)'s tokens at the front, while the
-    hidden states of a left-padded batch hold the padding in front: a batch whose rows hold fewer tokens than the
-    hidden states is scored row by row, each row on its own tokens and the hidden states (and rotary embeddings) of
-    those tokens, as that row alone would be."""
+    hidden states of a left-padded batch hold the padding in front: unless every row holds as many tokens and the
+    forward has no padding, the batch is scored row by row, each row on the tokens it holds and the hidden states
+    (and rotary embeddings) of its real tokens of this forward, as that row alone would be (a press before this one
+    in a ComposedPress may have left the rows different numbers of tokens: their zero fill was read as each short
+    row's newest keys)."""
     hidden = kwargs["hidden_states"]
     q = hidden.shape[1]
+    present = kwargs["past_key_values"].layers[module.layer_idx].forward.present  # [B, q] or None: no padding
     counts = view.count.amax(-1).tolist()  # tokens per row (prefill: a host read)
-    if all(n >= q for n in counts) or view.keys.shape[2] != q:
+    if present is None and len(set(counts)) == 1:
         attentions = None if attentions is None else view_weights(attentions, view)  # positional -> the view's
         return scorer.score(module, hidden, view.keys, view.values, attentions, kwargs)
     scores = torch.full(view.valid.shape, float("-inf"), device=hidden.device)
     rope = kwargs.get("position_embeddings")
-    for b, n in enumerate(counts):
+    real = [q] * len(counts) if present is None else present.sum(-1).tolist()
+    for b, (n, r) in enumerate(zip(counts, real, strict=True)):
         if not n:
             continue
-        row = {**kwargs, "hidden_states": hidden[b : b + 1, q - n :]}
+        row = {**kwargs, "hidden_states": hidden[b : b + 1, q - r :]}
         if rope is not None:
-            row["position_embeddings"] = tuple((t[b : b + 1] if t.shape[0] > 1 else t)[:, q - n :] for t in rope)
+            row["position_embeddings"] = tuple((t[b : b + 1] if t.shape[0] > 1 else t)[:, q - r :] for t in rope)
         keys, values = view.keys[b : b + 1, :, :n], view.values[b : b + 1, :, :n]
         scores[b, :, :n] = scorer.score(module, row["hidden_states"], keys, values, None, row)[0]
     return scores
