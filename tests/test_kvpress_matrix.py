@@ -275,6 +275,29 @@ def test_key_channels_a_press_zeroes_in_place_are_zeroed_in_the_cache(composed):
     assert (logits[0] - logits[1]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("length", [12, 40])
+def test_a_reserved_cache_ignores_head_masks_an_earlier_run_left_on_the_model(length):
+    """AdaKV on one cache leaves its key masks on the attention modules; a press-free prefill into a new reserved
+    PiKVCache then holds every token and decodes DynamicCache's logits. kvpress's patch drops the masks only at a
+    prefill it recognises by as many keys as queries, which a reserved layer's frame hides: the stale masks evicted
+    the new cache's tokens (12 of 26 held, logits off by 0.26) or failed kvpress's fake-key search (40 tokens)."""
+    ref, model = model_pair("llama")
+    ids = prompt(length, seed=5)
+    with torch.no_grad():
+        with kvpress.AdaKVPress(_knorm())(model):
+            model(ids, past_key_values=PiKVCache(model))
+        reserved, dynamic = PiKVCache(model, max_cache_len=length + 8), DynamicCache()
+        for m, cache in ((model, reserved), (ref, dynamic)):
+            m(ids, past_key_values=cache)
+        at = torch.tensor([[length]])
+        got, want = (
+            m(torch.tensor([[9]]), past_key_values=c, position_ids=at, cache_position=at[0]).logits
+            for m, c in ((model, reserved), (ref, dynamic))
+        )
+    assert [layer.held().sum().item() for layer in reserved.layers] == [2 * (length + 1)] * len(reserved.layers)
+    assert (got - want).abs().max() < 1e-4
+
+
 def test_head_wise_press_frees_bytes_that_kvpress_only_masks():
     ref, model = model_pair("llama")
     press = kvpress.AdaKVPress(_snap())

@@ -233,6 +233,16 @@ def _padding_of_prepared_mask(mask: torch.Tensor, cache_position: torch.Tensor) 
     return own if own.dtype == torch.bool else own == 0
 
 
+def _forget_head_masks(decoder: nn.Module) -> None:
+    """Drop the key masks a head-wise kvpress press left on the attention modules (``masked_key_indices``) before a
+    prefill into an empty reserved cache. kvpress's attention patch drops them at a prefill, which it recognises by
+    as many keys as queries; a reserved layer reports its frame, so the patch took the prefill for a decode step and
+    wrote an earlier run's masks into the new cache (its tokens evicted, or kvpress's fake-key search failed)."""
+    for m in decoder.modules():
+        if getattr(m, "masked_key_indices", None) is not None:
+            m.masked_key_indices = None
+
+
 def _forward_hooks(decoder: nn.Module) -> tuple:
     names = list(inspect.signature(decoder.forward).parameters)  # read here, not in the hooks (compiled code)
 
@@ -270,6 +280,8 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
             else:
                 at = names.index("attention_mask")
                 replaced = ((*args[:at], None, *args[at + 1 :]), kwargs)
+        if pikv and cache.is_compileable and not torch.compiler.is_compiling() and cache.get_seq_length() == 0:
+            _forget_head_masks(module)
         cache.begin_forward(mask, tokens.shape[1], pikv)
         _PIKV_FORWARDS.append(pikv)
         if cache.out_of_step is not None:  # after the pushes: the forward hook pops them as the forward fails
