@@ -35,6 +35,7 @@ def test_demo_rejects_unknown_arch(capsys):
     [
         (["--ratio", "1.0"], "ratio must be a number in [0, 1), got 1.0"),
         (["--ratio", "-0.1"], "ratio must be a number in [0, 1), got -0.1"),
+        (["--ratio", "-inf"], "ratio must be a number in [0, 1), got -inf"),  # a value, not an unknown option
         (["--context", "100"], "context must be an integer >= 512, got 100"),
         (["--sample", "-1"], "sample must be an integer >= 0, got -1"),
         (["--tiny", "--new-tokens", "1"], "new_tokens must be an integer >= 2, got 1"),
@@ -162,6 +163,67 @@ def test_demo_tiny_options_without_tiny_are_refused(capsys, option):
         f"pikv-hf demo: error: {option[0]}: option(s) of the tiny model only (add --tiny); the real-model demo places "
         "its routed way's tokens with key_cluster\n"
     )
+
+
+@pytest.mark.parametrize(
+    "option", [["--scheduler", "h2o"], ["--bits", "2"], ["--ratio", "0.9"], ["--sample", "7"], ["--context", "10"]]
+)
+def test_demo_real_model_options_with_tiny_are_refused(capsys, option):
+    """The tiny demo reads none of them (they were accepted and ignored); their defaults are not given options."""
+    assert main(["demo", "--tiny", *option]) == 2
+    assert capsys.readouterr().err == (
+        f"pikv-hf demo: error: {option[0]}: option(s) of the real-model demo only (drop --tiny); the tiny demo takes "
+        "--arch, --router, --prompt-len, --new-tokens and --seed\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "pikv-hf: error: the following arguments are required: command"),
+        (["demo", "--bits", "3"], "pikv-hf demo: error: argument --bits: invalid choice: "),
+        (["demo", "--nosuch"], "pikv-hf demo: error: unrecognized arguments: --nosuch"),
+        (["demo", "--tiny", "extra"], "pikv-hf demo: error: unrecognized arguments: extra"),
+        (["eval", "--suite", "ruler", "--out", "x", "--num-shards", "abc"],
+         "pikv-hf eval: error: argument --num-shards: invalid int value: 'abc'"),
+        (["eval", "--suite", "ruler"], "pikv-hf eval: error: the following arguments are required: --out"),
+        (["eval", "--suite", "ruler", "--out", "x", "--nosuch", "1"],
+         "pikv-hf eval: error: unrecognized arguments: --nosuch 1"),
+    ],
+)  # fmt: skip
+def test_argparse_errors_are_one_error_line_without_usage(capsys, args, message):
+    """Errors argparse finds itself are one line naming the subcommand, like those of pikv_hf's checks (they printed
+    the whole usage block first, and an unknown option of a subcommand was the top-level parser's)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(message) and captured.err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ratio", "-1e3"], "ratio must be in [0, 1), got -1000.0"),
+        (["--cache", "pikv", "--press", "none", "pikv_quest", "--mass-target", "0.5"],
+         "mass_target applies to routed reads only: it needs press pikv_routed or *_offload_routed, got "
+         "['none', 'pikv_quest']"),
+        (["--num-experts", "4"], "num_experts upcycle smollm2-moe: they need model 'smollm2-moe', got 'smollm2'"),
+        (["--model", "smollm2", "--num-experts", "4", "--top-k", "1"],
+         "num_experts, top_k upcycle smollm2-moe: they need model 'smollm2-moe', got 'smollm2'"),
+        (["--perplexity-tokens", "100"],
+         "perplexity_tokens is scored after perplexity_context tokens: it needs perplexity_context > 0 (0: no "
+         "perplexity), got perplexity_tokens 100"),
+        (["--longbench-dir", "."], "longbench_dir holds LongBench data: it needs suite 'longbench', got 'ruler'"),
+    ],
+)  # fmt: skip
+def test_eval_options_the_run_would_ignore_are_refused(tmp_path, capsys, args, message):
+    """Each of these options was accepted and then not read by the run; now refused before any model is loaded."""
+    out = tmp_path / "run"
+    assert main(["eval", "--suite", "ruler", "--out", str(out), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"pikv-hf eval: error: {message}\n"
+    assert not out.exists()
 
 
 def test_demo_help_shows_defaults(capsys):

@@ -41,6 +41,8 @@ ROUTED_READ = dict(top_k_shards=SHARDS // 4, mass_target=0.97, dense_layers=1, s
 SCHEDULERS = ("h2o", "quest", "streaming_llm", "lru", "adakv")
 # the tiny model's options (``--tiny``): None on the command line, so that giving one without --tiny is an error
 TINY_DEFAULTS = {"arch": "mixtral", "router": "expert", "prompt_len": 256, "new_tokens": 32}
+# the real-model demo's options: a value other than its default, given with --tiny, is an error
+REAL_DEFAULTS = {"context": 3000, "sample": 1, "scheduler": "quest", "ratio": 0.5, "bits": 4}
 MIN_CONTEXT = 512  # the haystack must hold the needle, the question and more than the 128-token full-precision window
 
 
@@ -151,6 +153,13 @@ def check_demo_args(args: argparse.Namespace) -> None:
     given = [name for name in TINY_DEFAULTS if getattr(args, name) is not None]
     if args.tiny and args.moe:
         raise CommandLineError("--moe: an option of the real-model demo (SmolLM2 upcycled); --tiny takes --arch")
+    real = [name for name, default in REAL_DEFAULTS.items() if getattr(args, name) != default]
+    if real and args.tiny:
+        flags = ", ".join(f"--{name}" for name in real)
+        raise CommandLineError(
+            f"{flags}: option(s) of the real-model demo only (drop --tiny); the tiny demo takes --arch, --router, "
+            "--prompt-len, --new-tokens and --seed"
+        )
     if given and not args.tiny:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
         raise CommandLineError(
@@ -279,18 +288,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pikv_hf.routing import PLACEMENTS
     from pikv_hf.tiny import TINY_ARCHS
 
+    real = REAL_DEFAULTS
     parser.add_argument("--moe", action="store_true", help="SmolLM2 upcycled to an 8-expert Mixtral")
-    parser.add_argument("--context", type=int, default=3000, help="document length in tokens")
-    parser.add_argument("--sample", type=int, default=1, help="which planted fact (sample 1: half-way in)")
+    parser.add_argument("--context", type=int, default=real["context"], help="document length in tokens")
+    parser.add_argument("--sample", type=int, default=real["sample"], help="which planted fact (sample 1: half-way in)")
     parser.add_argument(
         "--scheduler",
-        default="quest",
+        default=real["scheduler"],
         choices=SCHEDULERS,
         help="scheduler press of the compressed way (quest: query-aware page reads; the others evict at prefill, "
         "query-agnostic, and can drop the fact)",
     )
-    parser.add_argument("--ratio", type=float, default=0.5, help="fraction the scheduler evicts, in [0, 1)")
-    parser.add_argument("--bits", type=int, default=4, choices=(2, 4, 8), help="KIVI bits of the compressed way")
+    parser.add_argument("--ratio", type=float, default=real["ratio"], help="fraction the scheduler evicts, in [0, 1)")
+    parser.add_argument(
+        "--bits", type=int, default=real["bits"], choices=(2, 4, 8), help="KIVI bits of the compressed way"
+    )
     tiny = parser.add_argument_group("tiny model (--tiny): exactness against DynamicCache on a random MoE")
     tiny.add_argument("--tiny", action="store_true", help="the embedded tiny random model instead (no weights)")
     d = TINY_DEFAULTS

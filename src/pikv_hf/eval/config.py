@@ -161,6 +161,12 @@ class EvalConfig:
             for press, ratio in self.points():
                 if press in ("pikv_quest", "pikv_routed"):
                     self.point_read(press, ratio, shards).validated(shards, None)
+            routed = any(p == "pikv_routed" or p.endswith(ROUTED_SUFFIX) for p in self.presses)
+            if self.read.mass_target is not None and not routed:
+                raise ValueError(
+                    f"mass_target applies to routed reads only: it needs press pikv_routed or *{ROUTED_SUFFIX}, got "
+                    f"{self.presses}"
+                )
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
         if not self.lengths or any(n < 64 for n in self.lengths):
@@ -169,10 +175,27 @@ class EvalConfig:
             raise ValueError(
                 f"num_experts must be >= 2 and top_k in [1, num_experts], got {self.num_experts}, {self.top_k}"
             )
+        upcycling = self._given("num_experts", "top_k")
+        if upcycling and self.model != "smollm2-moe":
+            raise ValueError(
+                f"{', '.join(upcycling)} upcycle smollm2-moe: they need model 'smollm2-moe', got {self.model!r}"
+            )
         if self.longbench_dir is not None and not Path(self.longbench_dir).is_dir():
             raise ValueError(f"longbench_dir must be an existing directory, got {self.longbench_dir!r}")
+        if self.longbench_dir is not None and self.suite != "longbench":
+            raise ValueError(f"longbench_dir holds LongBench data: it needs suite 'longbench', got {self.suite!r}")
         check_int_at_least("perplexity_context", self.perplexity_context, 0)
         check_int_at_least("perplexity_tokens", self.perplexity_tokens, 2)
+        if self._given("perplexity_tokens") and self.perplexity_context == 0:
+            raise ValueError(
+                f"perplexity_tokens is scored after perplexity_context tokens: it needs perplexity_context > 0 "
+                f"(0: no perplexity), got perplexity_tokens {self.perplexity_tokens}"
+            )
+
+    def _given(self, *names: str) -> list[str]:
+        """Those of the fields ``names`` whose value is not the field's default (options a command line gave)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        return [name for name in names if getattr(self, name) != defaults[name]]
 
     def model_config(self):
         """The text config of a ``PATH`` model (its ``config.json``); ``ValueError`` naming ``model`` unless the
