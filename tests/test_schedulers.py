@@ -513,6 +513,33 @@ def test_a_field_set_after_construction_is_checked_before_the_cache_changes(buil
 
 
 @pytest.mark.parametrize(
+    ("wrap", "message"),
+    [
+        (lambda p: kvpress.ComposedPress([kvpress.KnormPress(0.2), p]), "compression_ratio must be a number in"),
+        (lambda p: kvpress.PerLayerCompressionPress(p, compression_ratios=[0.5] * 3), "recent_ratio must be"),
+        (lambda p: DecodingBudgetPress(p, target_size=8), "recent_ratio must be a number in"),
+        (lambda p: AdaKVPress(p), "recent_ratio must be a number in"),
+        (lambda p: kvpress.KeyRerotationPress(p), "recent_ratio must be a number in"),
+    ],
+)  # fmt: skip
+def test_a_field_of_a_wrapped_press_is_checked_on_entering_the_wrapper(wrap, message):
+    """A press inside a wrapper (kvpress's, which calls its hook directly, or pikv_hf's) is checked on entering the
+    wrapper as when entered alone: a ratio of 1.5 set on it emptied every layer, a NaN recent_ratio ran silently."""
+    model = tiny_model("llama", seed=0)
+    inner = H2OPress(0.5)
+    press = wrap(inner)
+    if "compression_ratio" in message:
+        inner.compression_ratio = 1.5
+    else:
+        inner.recent_ratio = float("nan")
+    cache = PiKVCache(model)
+    with pytest.raises(ValueError, match=message):
+        with press(model):
+            model(prompt(12), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize(
     ("build", "message"),
     [
         (lambda n: FlexGenPress(0.5), "FlexGenPress removes keys, which the sliding-window layers of this Dynamic"),
@@ -521,6 +548,11 @@ def test_a_field_set_after_construction_is_checked_before_the_cache_changes(buil
          "DynamicCache through kvpress's attention patch, which attn_implementation='eager' does not go through"),
         (lambda n: PyramidPress(0.5, scorer=kvpress.KnormPress()), "PyramidPress masks the dropped keys"),
         (lambda n: AdaKVPress(kvpress.KnormPress(0.5)), "AdaKVPress masks the dropped keys"),
+        # inside kvpress wrappers that hand them the layer (they call its hook: nothing was checked, and H2O failed
+        # at decode with a size mismatch, Pyramid was a silent no-op)
+        (lambda n: kvpress.ChunkPress(H2OPress(0.5), chunk_length=16), "H2OPress removes keys"),
+        (lambda n: kvpress.ComposedPress([PyramidPress(0.5, scorer=kvpress.KnormPress())]),
+         "PyramidPress masks the dropped keys"),
     ],
 )  # fmt: skip
 def test_presses_a_dynamic_cache_cannot_take_are_refused_before_it_changes(build, message):

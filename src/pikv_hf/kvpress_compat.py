@@ -11,9 +11,17 @@
   with a hook of their own on the cache's keys: ``DecodingPress`` and its subclasses, DMS, KVzip, FastKVzip,
   KVCompose) run on a ``PiKVCache`` as on a ``DynamicCache``, except on a left-padded batch, which they are refused
   (its rows start at different positions in the dense view).
+* Entering any press enters the pikv_hf presses inside it (``PiKVPress.entered``): their fields are checked, and
+  where the wrapper hands them the layer to act on, so is the cache, before each layer stores anything (kvpress's
+  wrappers call an inner press's hook directly: a ratio of 1.5 emptied every layer, PyramidPress on eager attention
+  was a silent no-op, H2O on GPT-OSS's DynamicCache failed at decode with a size mismatch).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 
 from kvpress.pipeline import KVPressTextGenerationPipeline
 from kvpress.presses.base_press import BasePress
@@ -93,11 +101,54 @@ def _scorer_forward_hook(self, module, input, kwargs, output):
     return _base_forward_hook(self, module, input, kwargs, output)
 
 
+_original_call = BasePress.__call__
+
+
+def _acting_wrappers() -> tuple[type, ...]:
+    """kvpress's wrappers that hand their inner presses the layer to act on (their hook or ``compress``); the others
+    (AdaKV, CriticalKV, Block, ChunkKV, KeyRerotation, ...) only read their inner press's scores."""
+    import kvpress
+
+    names = ("ComposedPress", "PerLayerCompressionPress", "ChunkPress", "DecodingPress", "PrefillDecodingPress")
+    return tuple(getattr(kvpress, name) for name in names if hasattr(kvpress, name))
+
+
+_ACTING = _acting_wrappers()
+
+
+def _inner_presses(press: BasePress, acts: bool = True) -> Iterator[tuple[BasePress, bool]]:
+    """Every press inside ``press`` (its dataclass fields, lists of presses included, recursively), with whether it
+    acts on the layer itself (every wrapper above it hands it the layer) or only gives scores."""
+    if not dataclasses.is_dataclass(press):
+        return
+    acts = acts and isinstance(press, _ACTING)
+    for field in dataclasses.fields(press):
+        value = getattr(press, field.name, None)
+        for inner in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(inner, BasePress):
+                yield inner, acts
+                yield from _inner_presses(inner, acts)
+
+
+@contextmanager
+def _call(self, model):
+    """``BasePress.__call__`` entering the pikv_hf presses inside the press first (``PiKVPress.entered``)."""
+    from pikv_hf.presses.base import PiKVPress
+
+    with ExitStack() as stack:
+        for inner, acts in _inner_presses(self):
+            if isinstance(inner, PiKVPress):
+                stack.enter_context(inner.entered(model, checks=acts))
+        stack.enter_context(_original_call(self, model))
+        yield
+
+
 def install() -> None:
     """Route kvpress's pipeline answer trimming, its scorer presses' prefill hook and its other presses' hook on a
     ``PiKVCache`` through pikv_hf (idempotent)."""
     KVPressTextGenerationPipeline._remove_answer_from_cache = _remove_answer_from_cache
     BasePress.forward_hook = _base_forward_hook
+    BasePress.__call__ = _call
     ScorerPress.forward_hook = _scorer_forward_hook
     for cls, hook in _GUARDED.items():
         cls.forward_hook = hook

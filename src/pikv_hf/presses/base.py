@@ -293,12 +293,22 @@ class PiKVPress:
 
     @contextmanager
     def __call__(self, model: nn.Module):
+        with self.entered(model), super().__call__(model):
+            yield
+
+    @contextmanager
+    def entered(self, model: nn.Module, checks: bool = True):
+        """What entering the press does besides installing its hook: :meth:`validate`, then (``checks``) a hook
+        that checks the cache before each layer's attention stores anything. A press inside a wrapper is entered
+        too (``pikv_hf.kvpress_compat``): with ``checks`` where the wrapper hands it the layer to act on (kvpress's
+        ComposedPress, PerLayerCompressionPress, ChunkPress, DecodingPress, PrefillDecodingPress), without where the
+        wrapper only reads its scores."""
         self.validate()
-        hook = self._before_attention  # checks the cache before each layer's attention stores anything
-        hooks = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in decoder_layers(model)]
+        hook = self._before_attention
+        layers = decoder_layers(model) if checks else []
+        hooks = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
         try:
-            with super().__call__(model):
-                yield
+            yield
         finally:
             for hook in hooks:
                 hook.remove()
