@@ -33,7 +33,13 @@ def _unchanged(cache, snap):
         (dict(shard_groups=True), "shard_groups must be an integer in \\[1, num_shards=4\\], got True"),
         (dict(page_size=True), "page_size must be an integer >= 1, got True"),
         (dict(dense_layers=True), "dense_layers must be an integer in \\[0, 3\\], got True"),
-        (dict(n_sink=False), "n_sink must be an integer >= 0, got False"),
+        (dict(n_sink=False), "n_sink must be an integer in \\[0, 65536\\], got False"),
+        # every layer keeps a slot per (row, KV head) for each sink and window position: 2**20 held 126 MB for 21
+        # tokens, 10**30 overflowed at the first forward
+        (dict(attention="routed", top_k_shards=2, window=2**20), "window must be an integer in \\[1, 65536\\]"),
+        (dict(attention="quest", n_sink=10**30), "n_sink must be an integer in \\[0, 65536\\], got 1000000"),
+        (dict(attention="routed", top_k_shards=2, selector=["topk"]), "selector must be one of .*got \\['topk'\\]"),
+        (dict(attention_backend=["torch"]), "attention_backend must be one of .*got \\['torch'\\]"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, message):
@@ -47,6 +53,8 @@ def test_bad_constructor_arguments(kwargs, message):
         (dict(track_stats="yes"), "track_stats must be a bool, got 'yes'"),
         (dict(measure_recall=1), "measure_recall must be a bool, got 1"),
         (dict(attention="routed", top_k_shards=2, selector_kwargs="a"), "selector_kwargs must be a dict"),
+        (dict(attention="routed", top_k_shards=2, selector_kwargs=0), "selector_kwargs must be a dict.*got 0"),
+        (dict(attention="routed", top_k_shards=2, selector_kwargs=[]), "selector_kwargs must be a dict.*got \\[\\]"),
     ],
 )
 def test_flags_and_option_dicts_of_the_wrong_type(kwargs, message):

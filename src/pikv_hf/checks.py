@@ -6,10 +6,12 @@ from __future__ import annotations
 import inspect
 
 
-def check_int_at_least(name: str, value: object, low: int) -> None:
-    """Raise ``ValueError("<name> must be an integer >= <low>, got <value>")`` unless ``value`` is such an int."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+def check_int_at_least(name: str, value: object, low: int, high: int | None = None) -> None:
+    """Raise ``ValueError("<name> must be an integer >= <low>, got <value>")`` unless ``value`` is such an int (with
+    ``high``: ``"... an integer in [<low>, <high>] ..."`` unless it is at most that too)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
 
 
 def check_seed(value: object) -> None:

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pikv_hf.checks import check_int_at_least
 
 ATTENTION_MODES = ("exact", "routed", "quest")
+# sinks and recent window of a sparse read, at most: every layer keeps one slot per (row, KV head) for each
+# (``SpecialSlots``), so 2**20 held 126 MB for a 21-token context and 10**30 overflowed at the first forward
+MAX_SPECIAL = 2**16
 # Context (positions seen per row) from which a decode step reads sparsely when ``sparse_from`` is not given: where
 # the sparse read stopped costing more than PiKV's exact read on SmolLM2-135M (fp32, one CPU thread, batch 1 and 4;
 # benchmarks/results/e2e_always_sparse_cpu.json). Below it, planning a sparse read costs more than it saves.
@@ -46,7 +49,8 @@ class ReadConfig:
     selector_kwargs : dict
         Routed: constructor arguments of the selector, e.g. ``{"score": "bound"}``.
     n_sink, window : int
-        Always-read first real tokens of a row and recent positions (routed and Quest).
+        Always-read first real tokens of a row and recent positions (routed and Quest), each at most
+        ``MAX_SPECIAL`` (65536).
     read_fraction : float or None
         Quest: fraction of each (row, KV head)'s pages read per decode step, in ``(0, 1]``.
     dense_layers : int
@@ -114,7 +118,8 @@ class ReadConfig:
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(f"unknown read option(s) {', '.join(unknown)}; expected some of {', '.join(sorted(names))}")
-        kwargs = options.get("selector_kwargs") or {}
+        kwargs = options.get("selector_kwargs")
+        kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise TypeError(f"selector_kwargs must be a dict of the selector's arguments, got {kwargs!r}")
         options["selector_kwargs"] = dict(kwargs)
@@ -126,8 +131,8 @@ class ReadConfig:
 
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}; got {self.attention!r}")
-        check_int_at_least("n_sink", self.n_sink, 0)
-        check_int_at_least("window", self.window, 1)
+        check_int_at_least("n_sink", self.n_sink, 0, MAX_SPECIAL)
+        check_int_at_least("window", self.window, 1, MAX_SPECIAL)
         check_int_at_least("reward_every", self.reward_every, 1)
         if self.sparse_from is not None:
             check_int_at_least("sparse_from", self.sparse_from, 0)

@@ -108,6 +108,6 @@ BACKENDS = {"auto": AutoBackend, "torch": TorchBackend, "triton": TritonBackend}
 def make_backend(name: str = "auto") -> TorchBackend:
     """The attention backend called ``name``: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or
     ``"triton"`` (also on CPU tensors, where it needs ``TRITON_INTERPRET=1``)."""
-    if name not in BACKENDS:
+    if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {tuple(BACKENDS)}, got {name!r}")
     return BACKENDS[name]()

@@ -31,6 +31,6 @@ def make_selector(name: str, **kwargs: object) -> Selector:
     ValueError
         If ``name`` is not in ``SELECTORS`` (the message lists the valid names).
     """
-    if name not in SELECTORS:
+    if not isinstance(name, str) or name not in SELECTORS:
         raise ValueError(f"selector must be one of {', '.join(SELECTORS)}; got {name!r}")
     return SELECTORS[name](**kwargs)
