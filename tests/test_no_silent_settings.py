@@ -93,7 +93,7 @@ def test_quest_ratio_is_its_first_argument_and_wins_over_the_cache_mode():
 
 def test_duo_attention_takes_what_calibrate_heads_returns():
     _, model = model_pair("llama")
-    heads = calibrate_heads(model, prompt(48, seed=3))
+    heads = calibrate_heads(model, prompt(48, seed=3), n_sink=2, window=8)
     cache = pikv(model)
     with DuoAttentionPress(0.5, heads=heads)(model), torch.no_grad():
         model(prompt(40), past_key_values=cache)

@@ -566,6 +566,44 @@ def test_presses_a_dynamic_cache_cannot_take_are_refused_before_it_changes(build
     assert cache.get_seq_length() == 0
 
 
+@pytest.mark.parametrize(
+    ("heads", "message"),
+    [
+        ([[float("nan"), 0.2]] * 3, "heads must hold numbers in \\[0, 1\\].*got \\[nan, 0.2\\] for layer 0"),
+        ([["high", "low"]] * 3, "heads must hold numbers in \\[0, 1\\]"),
+        ([[-5.0, -7.0]] * 3, "heads must hold numbers in \\[0, 1\\]"),
+        ("corrupt", "heads must be a file written by save_heads, got .* \\(not JSON"),
+    ],
+)  # fmt: skip
+def test_duo_attention_head_scores_are_checked_before_the_cache_changes(heads, message, tmp_path):
+    """NaN scores were taken (a NaN sorts as lowest or highest by its place: which heads streamed depended on it),
+    strings failed inside the forward at layer 1 naming nothing, and a corrupt file raised a bare JSONDecodeError."""
+    model = tiny_model("llama", seed=0)
+    if heads == "corrupt":
+        heads = tmp_path / "heads.json"
+        heads.write_text("{not json")
+    cache = PiKVCache(model)
+    with pytest.raises(ValueError, match=message):
+        with DuoAttentionPress(0.5, heads=heads)(model):
+            model(prompt(24), past_key_values=cache)
+    assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize(
+    ("input_ids", "message"),
+    [
+        (torch.arange(3, 43).view(1, -1), "input_ids must hold more than n_sink \\+ window = 68 tokens .*got 40"),
+        (torch.rand(1, 80), "input_ids must be an integer tensor \\[B, T\\] of token ids, got \\(1, 80\\)"),
+        (torch.arange(3, 83), "input_ids must be an integer tensor \\[B, T\\] of token ids, got \\(80,\\)"),
+    ],
+)  # fmt: skip
+def test_calibrate_heads_refuses_input_it_cannot_score(input_ids, message):
+    """A text no longer than the sinks and window gave all-NaN scores without an error; float or 1-D ids failed
+    deep inside the model naming no argument."""
+    with pytest.raises(ValueError, match=message):
+        calibrate_heads(tiny_model("llama", seed=0), input_ids)
+
+
 def test_unsupported_model_is_refused_before_the_cache_changes():
     model = tiny_model("deepseek_v3", seed=0)
     cache = PiKVCache(model)

@@ -20,9 +20,14 @@ def check_seed(value: object) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63), got {value!r}")
 
 
+def is_number(value: object) -> bool:
+    """Whether ``value`` is a Python int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_ratio(name: str, value: object) -> None:
     """Raise ``ValueError("<name> must be a number in [0, 1), got <value>")`` unless ``value`` is such a number."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+    if not is_number(value) or not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")
 
 

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-from pikv_hf.checks import check_int_at_least
+from pikv_hf.checks import check_int_at_least, is_number
 
 ATTENTION_MODES = ("exact", "routed", "quest")
 # sinks and recent window of a sparse read, at most: every layer keeps one slot per (row, KV head) for each
@@ -21,10 +21,6 @@ MAX_SPECIAL = 2**16
 # the sparse read stopped costing more than PiKV's exact read on SmolLM2-135M (fp32, one CPU thread, batch 1 and 4;
 # benchmarks/results/e2e_always_sparse_cpu.json). Below it, planning a sparse read costs more than it saves.
 SPARSE_FROM = {"routed": 8192, "quest": 4096}
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -148,7 +144,7 @@ class ReadConfig:
             kwargs = self.selector_kwargs
             raise ValueError(f"selector_kwargs {kwargs} do not fit selector {self.selector!r}: {err}") from None
         target = self.mass_target
-        if target is not None and not (_is_number(target) and 0 < target <= 1):
+        if target is not None and not (is_number(target) and 0 < target <= 1):
             raise ValueError(f"mass_target must be None or a number in (0, 1], got {target!r}")
         if self.attention == "exact":
             return self
@@ -162,7 +158,7 @@ class ReadConfig:
         if self.mass_target is not None:
             raise ValueError("mass_target applies to attention='routed' (shard selection) only; got attention='quest'")
         f = self.read_fraction
-        if not (_is_number(f) and 0 < f <= 1):
+        if not (is_number(f) and 0 < f <= 1):
             raise ValueError(f"read_fraction must be a number in (0, 1] for attention='quest', got {f!r}")
         return dataclasses.replace(self, top_k_shards=None, read_fraction=float(f))
 

@@ -12,7 +12,7 @@ from kvpress.presses.base_press import BasePress
 from kvpress.utils import compute_n_kept
 from torch import nn
 
-from pikv_hf.checks import check_int_at_least
+from pikv_hf.checks import check_int_at_least, is_number
 from pikv_hf.layer import PiKVLayer
 from pikv_hf.presses.base import PiKVPress, check_offload, drop_or_offload, prefill_layer
 from pikv_hf.presses.queries import model_queries
@@ -40,6 +40,16 @@ def calibrate_heads(model: nn.Module, input_ids: torch.Tensor, n_sink: int = 4, 
     """
     from pikv_hf.routing.expert import decoder_layers
 
+    check_int_at_least("n_sink", n_sink, 0)
+    check_int_at_least("window", window, 1)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be an integer tensor [B, T] of token ids, got {got}")
+    if input_ids.shape[1] <= n_sink + window:
+        raise ValueError(
+            f"input_ids must hold more than n_sink + window = {n_sink + window} tokens (no query reaches past its "
+            f"sinks and window otherwise, so no head has a score), got {input_ids.shape[1]}"
+        )
     captured: dict[int, tuple] = {}
 
     def hook(module, args, kwargs, output):
@@ -90,7 +100,11 @@ def checked_scores(calibration: dict, model: nn.Module, source: str) -> list[lis
 
 def load_heads(path: str | Path, model: nn.Module) -> list[list[float]]:
     """The head scores saved at ``path``; ``ValueError`` if they were fitted on another model."""
-    return checked_scores(json.loads(Path(path).read_text()), model, str(path))
+    try:
+        calibration = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"heads must be a file written by save_heads, got {str(path)!r} (not JSON: {err})") from None
+    return checked_scores(calibration, model, str(path))
 
 
 def head_budgets(scores: list[float], t: int, n_kept: int, min_keep: int) -> list[int]:
@@ -127,7 +141,7 @@ class DuoAttentionPress(PiKVPress, BasePress):
         Fraction of the context's KV pairs removed per layer, in ``[0, 1)``.
     heads : str, dict or list
         What :func:`calibrate_heads` returns (checked against the model), a path it was saved to with
-        :func:`save_heads`, or the scores themselves (``[L][H]``).
+        :func:`save_heads`, or the scores themselves (``[L][H]`` numbers in ``[0, 1]``).
     n_sink : int
         Sink tokens every streaming head keeps.
     offload : str or None
@@ -163,8 +177,16 @@ class DuoAttentionPress(PiKVPress, BasePress):
             else:
                 self._scores = load_heads(self.heads, model)
         n_layers = model.config.get_text_config().num_hidden_layers
-        if len(self._scores) != n_layers:
-            raise ValueError(f"heads holds scores for {len(self._scores)} layers, the model has {n_layers}")
+        if not isinstance(self._scores, list) or len(self._scores) != n_layers:
+            got = f"{len(self._scores)} layers" if isinstance(self._scores, list) else repr(self._scores)
+            raise ValueError(f"heads must hold a list of head scores per layer, {n_layers} layers; got {got}")
+        for i, layer in enumerate(self._scores):
+            ok = isinstance(layer, list) and all(is_number(x) and 0 <= x <= 1 for x in layer)
+            if not ok:  # a NaN sorted as both lowest and highest: the streaming heads depended on its place
+                raise ValueError(
+                    f"heads must hold numbers in [0, 1] (a KV head's attention mass outside its sinks and window), "
+                    f"got {layer!r} for layer {i}"
+                )
 
     def keep_view(self, layer_idx: int, rel_pos: torch.Tensor) -> torch.Tensor:
         """``[B, H, T]`` keep mask over position-ordered entries (``rel_pos``: positions counted from each row's
