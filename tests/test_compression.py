@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, pipeline
 
 from pikv_hf import PiKVCache
-from pikv_hf.codecs import fit
+from pikv_hf.codecs import ChunkPCACodec, QuantCodec, fit
 from pikv_hf.distributed import ShardPlan
 from pikv_hf.presses import (
     ChannelPrunePress,
@@ -461,6 +461,10 @@ def test_bad_input_raises_clear_errors_and_leaves_the_cache_unchanged(model, fit
         (lambda: ChannelPrunePress(channel_ratio=1.0), r"channel_ratio must be a number in \[0, 1\)"),
         (lambda: PyramidPress(compression_ratio=0.5, slope=2), r"slope must be a number in \[0, 1\]"),
         (lambda: QuantPress(window=-1), "window must be an integer >= 0"),
+        # the codecs themselves (their fields() reported float shapes that failed at allocation)
+        (lambda: QuantCodec(4.0, 16), r"bits must be one of \(2, 4, 8\), got 4.0"),
+        (lambda: ChunkPCACodec(2.5), "rank must be an integer >= 1, got 2.5"),
+        (lambda: ChunkPCACodec(True), "rank must be an integer >= 1, got True"),
     ):
         with pytest.raises(ValueError, match=message):
             make()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from pikv_hf.checks import check_int_at_least
 from pikv_hf.codecs.base import Codec, PageBatch, as_pages
 from pikv_hf.store.pool import FieldSpec
 
@@ -43,6 +44,7 @@ class ChunkPCACodec(Codec):
     page_level = True
 
     def __init__(self, rank: int) -> None:
+        check_int_at_least("rank", rank, 1)
         self.rank = rank
         self.dtype = torch.float32
 

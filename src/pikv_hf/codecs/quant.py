@@ -21,7 +21,7 @@ def check_quant_args(bits: int, group_size: int, head_dim: int | None = None) ->
     """``ValueError`` naming the parameter unless ``bits`` is in {2, 4, 8} and ``group_size`` (value channels per scale,
     and tokens per key group) is a positive integer whose codes fill whole bytes (``group_size * bits`` a multiple of
     8: the packed codes of a value group are read as bytes) dividing ``head_dim`` (when known)."""
-    if isinstance(bits, bool) or bits not in BITS:
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
