@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import model_pair
+from helpers import TOL, DynamicCache, model_pair
 
 from pikv_hf import PiKVCache
 from pikv_hf.tiny import tiny_config
@@ -27,6 +27,8 @@ def _unchanged(cache, snap):
         (dict(num_shards=2.5), "num_shards must be an integer >= 1"),
         (dict(num_shards=32768), "num_shards must be at most 32767 \\(a page's shard id is int16\\), got 32768"),
         (dict(page_size=0), "page_size must be an integer >= 1, got 0"),
+        # a slot's position is int32 (10**30 overflowed at the first forward)
+        (dict(max_cache_len=10**30), "max_cache_len must be an integer in \\[1, 2147483648\\]"),
         # every shard opens a page at its first token: this asked the allocator for 2**47 bytes
         (dict(page_size=2**40), "page_size must be at most 65536 tokens, got 1099511627776"),
         (dict(shard_groups=9, num_shards=4), "shard_groups must be an integer in \\[1, num_shards=4\\]"),
@@ -185,3 +187,33 @@ def test_bad_eviction_mask():
     with pytest.raises(ValueError, match="keep must be a bool tensor of shape \\(2, 2, 8\\)"):
         cache.layers[0].evict(torch.ones(2, 2, 8, dtype=torch.int64))
     assert _unchanged(cache, snap)
+
+
+def test_a_reserved_cache_whose_pages_cannot_be_reserved_is_left_as_before(monkeypatch):
+    """The first forward of a reserved cache fails to reserve its pages (no memory for max_cache_len): every layer
+    is left uninitialised, no hook fails after it, and the next forward (memory found) equals a DynamicCache's. The
+    layer was left initialised with an empty store: the forward's post-hook failed on a missing attribute (a torch
+    warning) and the next forward failed with an unrelated storage error."""
+    import warnings
+
+    from pikv_hf.store import PagedStore
+    from pikv_hf.tiny import tiny_model
+
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    cache, ids = PiKVCache(model, max_cache_len=32), torch.randint(3, 200, (1, 8), generator=torch.Generator())
+    real = PagedStore.reserve
+
+    def no_memory(self, *args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(PagedStore, "reserve", no_memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failing post-hook is reported as a warning by torch
+        with pytest.raises(RuntimeError, match="can't allocate memory"), torch.no_grad():
+            model(ids, past_key_values=cache)
+    assert not any(layer.is_initialized or layer.store is not None for layer in cache.layers)
+    monkeypatch.setattr(PagedStore, "reserve", real)
+    with torch.no_grad():
+        got = model(ids, past_key_values=cache).logits
+        want = ref(ids, past_key_values=DynamicCache()).logits
+    assert (got - want).abs().max() < TOL

@@ -35,7 +35,7 @@ from pikv_hf.read import ReadStats, make_policy
 from pikv_hf.routing import ExpertTap, check_placement_name, make_placement
 from pikv_hf.routing.expert import decoder_layers, num_experts_of
 from pikv_hf.static_layer import StaticPiKVLayer
-from pikv_hf.store.paged import check_num_shards, check_page_size
+from pikv_hf.store.paged import MAX_POSITION, check_num_shards, check_page_size
 
 DEFAULT_DENSE_SHARDS = 8
 
@@ -144,7 +144,7 @@ class PiKVCache(ForwardAwareCache):
         check_num_shards(num_shards)
         check_page_size(page_size)
         if max_cache_len is not None:
-            check_int_at_least("max_cache_len", max_cache_len, 1)
+            check_int_at_least("max_cache_len", max_cache_len, 1, MAX_POSITION + 1)
         if not isinstance(track_stats, bool):
             raise TypeError(f"track_stats must be a bool, got {track_stats!r}")
         if not isinstance(shard_groups, int) or isinstance(shard_groups, bool) or not 1 <= shard_groups <= num_shards:

@@ -37,8 +37,12 @@ class StaticPiKVLayer(PiKVLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._seen_t = torch.zeros((), dtype=torch.int64, device=key_states.device)
-        self.store.reserve(self._pages_for(self.max_cache_len))
         self._repacks = 0
+        try:
+            self.store.reserve(self._pages_for(self.max_cache_len))
+        except BaseException:  # no memory for max_cache_len: the layer as before, the same error at the next forward
+            self.reset()
+            raise
 
     def _pages_for(self, tokens: int) -> int:
         """Pages a run reserves for ``tokens`` tokens: one more partly filled page per shard."""

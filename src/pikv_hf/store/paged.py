@@ -38,6 +38,7 @@ from pikv_hf.store.table import PageTable
 SHARD_DTYPE = torch.int16  # a page's shard id: 2 bytes a page (a routed page of one token holds one token)
 MAX_SHARDS = torch.iinfo(SHARD_DTYPE).max
 MAX_PAGE_SIZE = 2**16  # tokens per page
+MAX_POSITION = torch.iinfo(torch.int32).max  # a slot's position is int32
 
 
 def check_num_shards(num_shards: object) -> None:
