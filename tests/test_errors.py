@@ -95,6 +95,19 @@ def test_expert_router_needs_a_model_and_an_moe():
         PiKVCache("mixtral")
 
 
+def test_a_module_that_is_not_a_transformers_model_is_refused_and_left_as_it_was():
+    """A plain torch module: a bare AttributeError ('Linear' object has no attribute 'config'), and attach() had
+    installed two forward hooks on it before failing."""
+    import pikv_hf
+
+    module = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="model must be a transformers model or config, got Linear"):
+        PiKVCache(module)
+    with pytest.raises(TypeError, match="model must be a transformers model, got Linear"):
+        pikv_hf.attach(module)
+    assert not module._forward_pre_hooks and not module._forward_hooks
+
+
 def _cache_with_tokens():
     cache = PiKVCache(tiny_config("mixtral"), page_size=4)
     cache.update(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), 0)

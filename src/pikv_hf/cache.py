@@ -131,7 +131,7 @@ class PiKVCache(ForwardAwareCache):
         **read_options: Any,
     ) -> None:
         is_model = isinstance(model, nn.Module)
-        config = model.config if is_model else model
+        config = getattr(model, "config", None) if is_model else model
         if not isinstance(config, PretrainedConfig):
             raise TypeError(f"model must be a transformers model or config, got {type(model).__name__}")
         router = check_placement_name(router)

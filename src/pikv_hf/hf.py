@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -311,6 +311,8 @@ def _forward_hooks(decoder: nn.Module) -> tuple:
 def attach(model: nn.Module) -> None:
     """Switch ``model`` to the ``"pikv"`` attention implementation, remembering the one it had, and install the
     forward hooks that tell a ``PiKVCache`` about each forward (once per model)."""
+    if not isinstance(getattr(model, "config", None), PretrainedConfig):
+        raise TypeError(f"model must be a transformers model, got {type(model).__name__}")
     register()
     decoder = _decoder(model)
     if getattr(decoder, HOOKS_ATTR, None) is None:
