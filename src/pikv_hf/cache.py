@@ -107,6 +107,14 @@ class PiKVCache(ForwardAwareCache):
         ``selector_kwargs``, ``n_sink``, ``window``, ``read_fraction``, ``dense_layers``, ``mass_target``,
         ``measure_recall``, ``reward_every``); see ``pikv_hf.config.ReadConfig``.
 
+    Notes
+    -----
+    The cache masks by the positions it holds and reads a 2-D ``attention_mask`` for left padding only. A mask whose
+    earlier columns hide a position the cache holds a token of (a DynamicCache would mask it) is refused with a
+    ``ValueError`` for a forward of several tokens, and not checked for a one-token forward once every row has had
+    a real token (reading the mask would make every decode step wait for the device): the token is then attended.
+    Continue such a batch with a forward of several tokens (the new turn's prompt), or ``crop`` the hidden tokens.
+
     Examples
     --------
     >>> cache = PiKVCache(model)  # exact; router="expert" on an MoE model
