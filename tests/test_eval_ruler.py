@@ -166,6 +166,20 @@ def test_no_answer_is_found_inside_a_wrong_word(haystack, task):
         assert not inside, (index, inside)
 
 
+def test_no_word_answer_is_in_the_prompts_own_text(haystack):
+    """A word answer never sits in the instruction, the question, the answer prefix or a key: a prediction that only
+    repeats the question scored 1.0 ("word" in "special magic word", "element" in the key "types-elementary": 6 of
+    the first 3000 single-word samples). Indices 693 and 2720 of seed 0 drew those two."""
+    cases = [(i, 0) for i in range(0, 1200, 7)] + [(693, 0), (2720, 0)]
+    for index, seed in cases:
+        sample = generate_sample("niah_single_word", index, 1024, seed, haystack)
+        own = f"{sample.context.split(chr(10), 1)[0]} {sample.question} {sample.answer_prefix}".lower()
+        assert not [a for a in sample.answers if a.lower() in own], (index, sample.answers, sample.question)
+
+
 def test_a_length_beyond_the_essay_corpus_is_refused(haystack):
     with pytest.raises(LengthError, match="the essay corpus holds"):
         generate_sample("niah_single_number", 0, 10_000_000, 0, haystack)
+    # common_words lists words instead: its list ran out with a bare StopIteration (a traceback from pikv-hf eval)
+    with pytest.raises(LengthError, match="length=10000000 is beyond task 'common_words': its word list runs out"):
+        generate_sample("common_words", 0, 10_000_000, 0, haystack)

@@ -117,51 +117,70 @@ def niah(
 ) -> RulerSample:
     words = word_list()
     kind = {"niah_single_word": "word", "niah_single_uuid": "uuid"}.get(task, "number")
+    # answers are matched as substrings: a word answer never sits in the prompt's own text or inside a key, where a
+    # prediction that only repeats the question would hold it ("word" in "special magic word", "element" in the key
+    # "types-elementary")
+    fixed_text = " ".join(
+        [NIAH_INSTRUCTION.format(kind=kind), NIAH_NEEDLE.format(kind=kind, key="", value="")]
+        + [part for t, n in (("niah_multiquery", 2), (task, 1)) for part in _niah_query(t, kind, [""] * n)]
+    ).lower()
 
-    def value() -> str:
+    def value(keys: list[str]) -> str:
         if kind == "word":
+            word = rng.choice(words)
+            while word in fixed_text or any(word in k for k in keys):
+                word = rng.choice(words)
             # quoted: unquoted essay words read as part of the prose to a 135M model (2/6 vs 5/6 found at 2k)
-            return f'"{rng.choice(words)}"'
-
+            return f'"{word}"'
         if kind == "uuid":
             return str(uuid.UUID(int=rng.getrandbits(128), version=4))
         return _number(rng)
 
     if task == "niah_multikey":
         keys = _distinct(rng, lambda: _key(rng, words), NUM_MULTI)
-        values = [value() for _ in keys]
+        values = [value(keys) for _ in keys]
         target = rng.randrange(NUM_MULTI)
         needles = [NIAH_NEEDLE.format(kind=kind, key=k, value=v) for k, v in zip(keys, values, strict=True)]
         query_keys, answers = [keys[target]], [values[target]]
     elif task == "niah_multivalue":
         key = _key(rng, words)
-        values = _distinct(rng, value, NUM_MULTI)
+        values = _distinct(rng, lambda: value([key]), NUM_MULTI)
         needles = [NIAH_NEEDLE.format(kind=kind, key=key, value=v) for v in values]
         query_keys, answers = [key], values
     elif task == "niah_multiquery":
         keys = _distinct(rng, lambda: _key(rng, words), NUM_MULTI)
-        values = [value() for _ in keys]
+        values = [value(keys) for _ in keys]
         needles = [NIAH_NEEDLE.format(kind=kind, key=k, value=v) for k, v in zip(keys, values, strict=True)]
         query_keys, answers = keys, values
     else:
-        key, val = _key(rng, words), value()
+        key = _key(rng, words)
+        val = value([key])
         needles = [NIAH_NEEDLE.format(kind=kind, key=key, value=val)]
         query_keys, answers = [key], [val]
     answers = [a.strip('"') for a in answers]
-
-    if len(query_keys) > 1:
-        joined = ", ".join(query_keys[:-1]) + f", and {query_keys[-1]}"
-        question = f"What are all the special magic {kind}s for {joined} mentioned in the provided text?"
-        prefix = f"The special magic {kind}s for {joined} mentioned in the provided text are"
-    elif task == "niah_multivalue":
-        question = f"What are all the special magic {kind}s for {query_keys[0]} mentioned in the provided text?"
-        prefix = f"The special magic {kind}s for {query_keys[0]} mentioned in the provided text are"
-    else:
-        question = f"What is the special magic {kind} for {query_keys[0]} mentioned in the provided text?"
-        prefix = f"The special magic {kind} for {query_keys[0]} mentioned in the provided text is"
+    question, prefix = _niah_query(task, kind, query_keys)
     instruction = NIAH_INSTRUCTION.format(kind=kind)
     return _with_haystack(
         task, index, seed, length, haystack, reserve, rng, instruction, needles, question, prefix, answers
+    )
+
+
+def _niah_query(task: str, kind: str, query_keys: list[str]) -> tuple[str, str]:
+    """The question and answer prefix of a NIAH sample asking for the values of ``query_keys``."""
+    if len(query_keys) > 1:
+        joined = ", ".join(query_keys[:-1]) + f", and {query_keys[-1]}"
+        return (
+            f"What are all the special magic {kind}s for {joined} mentioned in the provided text?",
+            f"The special magic {kind}s for {joined} mentioned in the provided text are",
+        )
+    if task == "niah_multivalue":
+        return (
+            f"What are all the special magic {kind}s for {query_keys[0]} mentioned in the provided text?",
+            f"The special magic {kind}s for {query_keys[0]} mentioned in the provided text are",
+        )
+    return (
+        f"What is the special magic {kind} for {query_keys[0]} mentioned in the provided text?",
+        f"The special magic {kind} for {query_keys[0]} mentioned in the provided text is",
     )
 
 
@@ -298,7 +317,16 @@ def common_words(
     if freq < CWE_MIN_COMMON:
         raise LengthError(f"length={length} is too short for task 'common_words'")
     base = [w for w in common for _ in range(freq)]
-    items = _fill_list(count, budget, base, lambda: [next(pool)] * CWE_FREQ_UNCOMMON)
+
+    def uncommon() -> list[str]:
+        word = next(pool, None)
+        if word is None:  # every word of the list is in already (a bare StopIteration before)
+            raise LengthError(
+                f"length={length} is beyond task 'common_words': its word list runs out before {budget} tokens"
+            )
+        return [word] * CWE_FREQ_UNCOMMON
+
+    items = _fill_list(count, budget, base, uncommon)
     rng.shuffle(items)
     text = " ".join(f"{i + 1}. {w}" for i, w in enumerate(items))
     return RulerSample(
