@@ -22,15 +22,21 @@ def load_run(directory: Path) -> dict:
 
 
 def build_table(runs: dict[str, dict]) -> dict:
-    """One row per (model, press, ratio) with the mean score over all samples and per task."""
+    """One row per (model, press, ratio) with the mean score over all samples, per task (over every length, as the
+    point's score) and per task and length."""
     rows = []
     for name, metrics in runs.items():
         per_task: dict[tuple, dict] = {}
-        for entry in metrics["per_task"]:
-            per_task.setdefault((entry["press"], entry["ratio"]), {})[entry["task"]] = {
-                "score": round(entry["score"], 2),
-                "n": entry["n"],
-            }
+        for entry in metrics["per_task"]:  # one entry per task and length
+            cell = per_task.setdefault((entry["press"], entry["ratio"]), {}).setdefault(
+                entry["task"], {"score": 0.0, "n": 0, "by_length": {}}
+            )
+            cell["by_length"][str(entry["length"])] = {"score": round(entry["score"], 2), "n": entry["n"]}
+            cell["score"] += entry["score"] * entry["n"]
+            cell["n"] += entry["n"]
+        for cells in per_task.values():
+            for cell in cells.values():
+                cell["score"] = round(cell["score"] / max(cell["n"], 1), 2)
         for point in metrics["per_point"]:
             rows.append(
                 {
@@ -48,8 +54,8 @@ def build_table(runs: dict[str, dict]) -> dict:
         "mean string-match over all samples of the point, in %",
         "query_aware": False,
         "suite": first["suite"],
-        "tasks": first["tasks"],
-        "lengths": first["arguments"]["lengths"],
+        "tasks": sorted({task for m in runs.values() for task in m["tasks"]}),
+        "lengths": sorted({n for m in runs.values() for n in m["arguments"]["lengths"]}),
         "samples_per_task": first["arguments"]["samples"],
         "complete": all(m["complete"] for m in runs.values()),
         "runs": {
@@ -115,6 +121,17 @@ def markdown(table: dict) -> str:
     return "\n".join(lines)
 
 
+def run_names(directories: list[Path]) -> list[str]:
+    """A run's name: its directory's name past the first ``_`` (``ruler2k_smollm2`` -> ``smollm2``), or the whole
+    directory names when that would give two runs one name (the first was silently dropped)."""
+    names = [d.name.split("_", 1)[-1] for d in directories]
+    if len(set(names)) < len(names):
+        names = [d.name for d in directories]
+    if len(set(names)) < len(names):
+        raise ValueError(f"runs must be distinct directories, got {[str(d) for d in directories]}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--png", type=Path, required=True)
     args = parser.parse_args(argv)
-    runs = {d.name.split("_", 1)[-1]: load_run(d) for d in args.runs}
-    table = build_table(runs)
+    table = build_table({name: load_run(d) for name, d in zip(run_names(args.runs), args.runs, strict=True)})
     args.json.write_text(json.dumps(table, indent=2) + "\n")
     plot_table(table, args.png)
     print(markdown(table))
