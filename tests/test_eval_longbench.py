@@ -231,3 +231,23 @@ def test_a_length_below_the_prompts_own_text_is_refused():
     with pytest.raises(LengthError, match=f"length={fixed - 1} is too short for hotpotqa .* takes {fixed} tokens"):
         longbench.build_example(row, "hotpotqa", Builder(), max_length=fixed - 1)
 
+
+
+def test_a_tokenizer_without_a_chat_template_gets_its_bos_and_the_answer_on_its_own_line():
+    """A base model (``--model PATH`` without a chat template): the question ran on into the answer prefix
+    ("...text?The special magic number ... is") and the text had no BOS, though ``reserve()`` counted both."""
+    from pikv_hf.eval.generation import PromptBuilder
+
+    class Tok:  # characters as tokens; BOS (id 0) added at a text's start when special tokens are asked for
+        chat_template, bos_token = None, "<s>"
+
+        def encode(self, text, add_special_tokens=False):
+            return [0] * add_special_tokens + [ord(c) for c in text]
+
+    builder = PromptBuilder(Tok())
+    assert builder.reserve() == len("<s>") + len("\n") + len("\n\n")
+    ctx, qst = builder.build("essay", "Which number?", "The number is")
+    assert ctx[0].tolist() == [0, *map(ord, "essay")]
+    assert "".join(map(chr, qst[0].tolist())) == "\n\nWhich number?\nThe number is"
+    _, raw = builder.build("essay", "Which number?", " Answer:", chat=False)  # plain text asked for: as written
+    assert "".join(map(chr, raw[0].tolist())) == "\n\nWhich number? Answer:"

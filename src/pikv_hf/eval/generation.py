@@ -38,7 +38,9 @@ class PromptBuilder:
 
     With a chat template the user message is ``context + "\\n\\n" + question``; the context part ends at the context,
     the question part holds ``"\\n\\n" + question``, the end of the user turn, the assistant header and the answer
-    prefix. Without a template (or when ``chat=False``) the parts are plain text.
+    prefix. Without a template (or when ``chat=False``) the parts are plain text, begun as the tokenizer begins a
+    text (its BOS, when it adds one); a prompt meant for a chat turn then puts the answer prefix on a line of its
+    own (it ran on after the question: "...text?The special magic number ... is").
     """
 
     def __init__(self, tokenizer):
@@ -75,14 +77,15 @@ class PromptBuilder:
         """
         import torch
 
-        if chat and self.has_template:
+        plain = not (chat and self.has_template)
+        if plain:  # no template: the tail is the newline before the answer (chat) or nothing (plain text asked for)
+            ctx, qst = context, separator + question + (self.tail if chat else "") + answer_prefix
+        else:
             ctx = self.head + context
             qst = separator + question + self.tail + answer_prefix
-        else:
-            ctx, qst = context, separator + question + answer_prefix
         encode = self.tokenizer.encode
         return (
-            torch.tensor([encode(ctx, add_special_tokens=False)]),
+            torch.tensor([encode(ctx, add_special_tokens=plain)]),
             torch.tensor([encode(qst, add_special_tokens=False)]),
         )
 
