@@ -54,7 +54,7 @@ class EvalConfig:
     samples : int
         Samples per task (and per length, press and ratio).
     lengths : list of int
-        RULER prompt lengths, or the LongBench truncation length (first value).
+        RULER prompt lengths, or LongBench truncation lengths (each evaluated in turn).
     tasks : str
         RULER tasks/groups or LongBench datasets, comma-separated.
     seed : int
