@@ -15,7 +15,7 @@ from fixtures.tiny_assets import save_tiny_model_dir, tiny_llama
 
 from pikv_hf import PiKVCache
 from pikv_hf.cli import main as cli_main
-from pikv_hf.eval import generation, summary
+from pikv_hf.eval import generation, runner, summary
 from pikv_hf.eval import points as eval_points
 from pikv_hf.eval.config import EvalConfig, build_press, press_names
 from pikv_hf.eval.generation import prefill
@@ -93,6 +93,7 @@ def test_interrupted_run_resumes_without_redoing_finished_samples(model_dir, tmp
         return original(*args, **kwargs)
 
     monkeypatch.setattr(generation, "answer_from_cache", counting)
+    monkeypatch.setattr(runner, "git_commit", lambda: {"commit": "later", "dirty": False})  # resumed at other code
     run_eval(config, progress=False)
     assert len(calls) == 2
     new_lines = (out / "predictions.jsonl").read_text().splitlines(keepends=True)
@@ -101,6 +102,9 @@ def test_interrupted_run_resumes_without_redoing_finished_samples(model_dir, tmp
     metrics = run_eval(config, progress=False)
     assert len(calls) == 2  # nothing left to do
     assert metrics["complete"] and metrics["model_info"]["model_type"] == "llama"  # kept from the earlier run
+    # each row names the code that answered it (metrics.json named the latest session's only)
+    first = json.loads(lines[0])["git"]
+    assert metrics["git"]["commit"] == "later" and metrics["row_commits"] == {first: 2, "later": 2}
 
 
 def test_every_listed_kvpress_press_builds_with_the_ratio():

@@ -34,6 +34,7 @@ import json
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,7 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
     out = prepare_out(config)
     pred_path = out / PREDICTIONS
     done = {row["key"]: row for row in read_predictions(pred_path)}
+    code = git_commit()  # this session's code: each row records it, so rows of a resumed run name theirs
     points = config.points()
     samples = [w for w in _iter_samples(config, tasks) if lb_tasks is None or w[0] < len(lb_tasks[w[2]])]
     wanted = {row_key(p, r, n, t, i) for i, n, t in samples for p, r in points}
@@ -279,6 +281,7 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
                         "score": score,
                         "seconds": round(seconds, 3),
                         "depths": record.get("depths", []),
+                        "git": code["commit"],
                         **read,
                     }
                     append_row(handle, row)
@@ -300,7 +303,9 @@ def run_eval(config: EvalConfig, progress: bool = True, inputs: tuple[list[str],
         "model_info": model_info,
         "seed": config.seed,
         "versions": versions(),
-        "git": git_commit(),
+        "git": code,
+        # rows per commit they were answered at (a resumed run holds rows of earlier code; None: not recorded)
+        "row_commits": dict(Counter(r.get("git") for r in rows).most_common()),
         "command": " ".join(sys.argv),
         "complete": len(rows) == len(wanted),
         "n_rows": len(rows),
