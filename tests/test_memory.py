@@ -303,3 +303,79 @@ def test_each_stores_meta_nbytes_is_every_non_kv_tensor_it_references(model, way
             if t.untyped_storage().data_ptr() not in kv and not path.startswith(".summed_with")
         }
         assert store.meta_nbytes() == sum(held.values())
+
+
+def _refused_forward_then_delete() -> dict[str, weakref.ref]:
+    """A prefilled cache, then a forward refused with a message naming the press; the caller deletes both caches
+    while its frame lives on (the test function's frame here)."""
+    model = tiny_model("llama", seed=0)
+    held = PiKVCache(model, page_size=4)
+    with torch.no_grad():
+        model(prompt(40), past_key_values=held)
+    cache = PiKVCache(model, page_size=4, attention="quest", read_fraction=0.5, sparse_from=0, measure_recall=True)
+    from pikv_hf.presses import FlexGenPress
+
+    with pytest.raises(ValueError, match="FlexGenPress: layer 0 reads with measure_recall=True"):
+        with torch.no_grad(), FlexGenPress(0.5, offload="cpu")(model):
+            model(prompt(40), past_key_values=cache)
+    refs = {"held": weakref.ref(held), "refused": weakref.ref(cache)}
+    del held, cache
+    gc.collect()
+    return {name: r for name, r in refs.items() if r() is not None}
+
+
+def test_an_error_naming_the_press_keeps_no_object_of_the_caller_alive():
+    """The message's press name came from reading every frame's f_locals up the stack, which on Python 3.11 leaves
+    a snapshot of the caller's locals on its frame: both deleted caches stayed alive while the caller ran."""
+    assert not _refused_forward_then_delete()
+
+
+def test_a_fork_keeps_a_disk_offload_tier_in_mapped_files():
+    """fork() / deepcopy cloned a disk tier's memory-mapped fields into ordinary memory while the fork still reported
+    storage 'disk' (24,576 bytes in RAM instead of files); the fork's tier is mapped files and reads as the original."""
+    model = tiny_model("llama", seed=0)
+    cache = PiKVCache(model, page_size=4)
+    with torch.no_grad(), H2OPress(0.5, offload="disk")(model):
+        model(prompt(40), past_key_values=cache)
+    fork = cache.fork()
+    for original, copied in zip(cache.layers, fork.layers, strict=True):
+        a, b = original.stores.tiers["offload"].pool, copied.stores.tiers["offload"].pool
+        assert b.storage == "disk" and b.fields.keys() == a.fields.keys()
+        for name, t in b.fields.items():
+            assert torch.equal(t, a.fields[name]) and t.data_ptr() != a[name].data_ptr()
+            assert not t.numel() or _mapped(t), name
+    with torch.no_grad():
+        step = torch.tensor([[5]])
+        torch.testing.assert_close(model(step, past_key_values=fork).logits, model(step, past_key_values=cache).logits)
+
+
+def _mapped(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory lies in a file mapping of this process (``/proc/self/maps``: a deleted temp file)."""
+    start = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= start < hi:
+                return "pikv-" in line
+    return False
+
+
+def test_reset_starts_the_read_statistics_over():
+    """routing_stats() after reset() mixed the previous context's reads in (7 decode steps and 17,554 bytes fetched
+    per step where the new context made 2 steps and fetched nothing), beside byte counts that were already 0."""
+    model = tiny_model("llama", seed=0)
+    cache = PiKVCache(model, page_size=4, attention="quest", read_fraction=1.0, sparse_from=0)
+    with torch.no_grad():
+        with H2OPress(0.5, offload="cpu")(model):
+            model(prompt(40), past_key_values=cache)
+        for t in range(5):
+            model(torch.tensor([[5 + t]]), past_key_values=cache)
+        assert cache.routing_stats()["overall"]["bytes_fetched_per_decode_step"] > 0
+        cache.reset()
+        fresh = PiKVCache(model, page_size=4, attention="quest", read_fraction=1.0, sparse_from=0)
+        for c in (cache, fresh):
+            model(prompt(24, seed=2), past_key_values=c)
+            for t in range(2):
+                model(torch.tensor([[7 + t]]), past_key_values=c)
+    assert repr(cache.routing_stats()) == repr(fresh.routing_stats())  # recall is nan in both (not measured)
+    assert cache.routing_stats()["overall"]["decode_steps"] == 2

@@ -409,8 +409,8 @@ class PiKVCache(ForwardAwareCache):
         return torch.stack([layer.resident_tokens() for layer in self.layers])
 
     def routing_stats(self) -> dict:
-        """What the decode steps of a routed / Quest cache read (the counters live on the device; this reads them
-        back).
+        """What the decode steps of a routed / Quest cache read since it was built or last ``reset()`` (the counters
+        live on the device; this reads them back).
 
         Returns
         -------

@@ -4,6 +4,8 @@ of the kvpress press whose hook is running, for error messages."""
 from __future__ import annotations
 
 import inspect
+import sys
+from pathlib import Path
 
 
 def check_int_at_least(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -37,13 +39,19 @@ class CommandLineError(ValueError):
 
 def calling_press(innermost: bool = False) -> str:
     """The class name of the outermost (or ``innermost``) kvpress press whose hook is running (for error messages),
-    or ``"code"``."""
-    from kvpress import BasePress  # only when an error is being raised
+    or ``"code"``. Only frames of methods of kvpress and pikv_hf are read: reading a frame's ``f_locals`` on Python
+    3.11 leaves a snapshot of its locals on it, which kept the caller's objects (a deleted cache) alive while the
+    caller's function ran."""
+    import kvpress  # only when an error is being raised
+    from kvpress import BasePress
 
+    libraries = tuple(str(Path(m.__file__).parent) for m in (kvpress, sys.modules["pikv_hf"]))
     name = "code"
     frame = inspect.currentframe()
     while frame is not None:
-        owner = frame.f_locals.get("self")
+        code = frame.f_code
+        method = code.co_argcount and code.co_varnames[0] == "self" and code.co_filename.startswith(libraries)
+        owner = frame.f_locals.get("self") if method else None
         if isinstance(owner, BasePress):
             name = type(owner).__name__
             if innermost:

@@ -378,6 +378,7 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
         self.views.reset()
         self.placement.reset()
         self.policy.reset()
+        self.step.stats.clear()  # routing_stats() counts the reads of this context only
 
     def crop(self, max_length: int) -> None:
         """Keep the positions below ``max_length`` (negative: drop that many from the end).

@@ -73,6 +73,13 @@ class ReadStats:
         for name, value in counts.items():
             total[_INDEX[name]].add_(value)  # in place through the view (no write-back copy)
 
+    def clear(self) -> None:
+        """Start over (``PiKVCache.reset``): the counters zeroed in place (a compiled step keeps adding to the same
+        tensor), recall forgotten."""
+        if self.total is not None:
+            self.total.zero_()
+        self.recall_sum, self.recall_heads = 0.0, 0
+
     def add_recall(self, recall: torch.Tensor) -> None:
         """Recall of one step (``[B, H]``): read back to the host (only on steps that measure it)."""
         self.recall_sum += float(recall.sum())

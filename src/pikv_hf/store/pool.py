@@ -13,6 +13,7 @@ tensors are sized to what the caller asks for, so freed pages are really release
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import tempfile
@@ -61,6 +62,26 @@ class PagePool:
             raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
         self.storage = storage
         self.fields: dict[str, torch.Tensor] = {name: self._empty(name, 0) for name in self.specs}
+
+    def __deepcopy__(self, memo: dict) -> PagePool:
+        """A copy in the same kind of storage: a disk pool's fields are mapped files again, a pinned pool's pinned
+        (the default deepcopy cloned them into ordinary memory, while the copy still reported its storage). Views of
+        a field copied along (torch memoises storages) land on the new field."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.specs = dict(self.specs)
+        storages = memo.setdefault("torch", {})
+        new.fields = {}
+        for name, t in self.fields.items():
+            key = t.untyped_storage()._cdata
+            whole = t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
+            if key in storages or not whole:  # copied already through a view (keep the sharing), or part of one
+                new.fields[name] = copy.deepcopy(t, memo)
+                continue
+            field = new._empty(name, t.shape[0]).copy_(t)
+            storages[key], memo[id(t)] = field.untyped_storage(), field
+            new.fields[name] = field
+        return new
 
     @property
     def num_pages(self) -> int:
