@@ -37,15 +37,24 @@ CONFIG = dict(
 )
 
 
-def positive(text: str) -> int:
-    """An ``argparse`` type: an integer >= 1 (a count, size or length), else the option's one error line."""
+def _at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
     return value
+
+
+def positive(text: str) -> int:
+    """An ``argparse`` type: an integer >= 1 (a count, size or length), else the option's one error line."""
+    return _at_least(text, 1)
+
+
+def non_negative(text: str) -> int:
+    """An ``argparse`` type: an integer >= 0 (sinks, leading layers), else the option's one error line."""
+    return _at_least(text, 0)
 
 
 def read_bandwidth_gbs(n_bytes: int = 512 * 2**20, repeats: int = 5) -> float:

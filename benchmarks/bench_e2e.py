@@ -421,6 +421,8 @@ def main() -> None:
                             "batch": batch,
                             "context": context,
                             "git": git_revision(),
+                            "rounds": args.rounds,  # the file's config is the last command's: each point keeps its own
+                            "command": command,
                             "results": results,
                         }  # fmt: skip
                     )

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_cache import positive
+
 TARGET = 1.10
 
 
@@ -79,9 +81,9 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--context", type=positive, default=8192)
+    parser.add_argument("--batch", type=positive, default=4)
+    parser.add_argument("--threads", type=positive, default=1)
     parser.add_argument("--ways", nargs="+", default=None, help="default: every way of bench_e2e.MODES")
     parser.add_argument("--way", default=None, help="(internal) run one way in this process")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill_memory_cpu.json"))

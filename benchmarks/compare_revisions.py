@@ -3,7 +3,8 @@
 Checks out ``--base`` into a temporary git worktree, then runs ``benchmarks/bench_decode.py`` of each tree (each
 importing its own ``src/``) alternately for ``--rounds`` rounds, so both see the same machine state, and reports
 per context and mode the median over rounds of the single-layer attention time and of the whole decode step, with
-the ratio new / base. A run from a tree whose benchmark has no ``--page-size`` option is skipped for other sizes.
+the ratio new / base. A tree whose benchmark has no ``--page-size`` option reads pages of 16: it is run without the
+option at that size and refused at any other (before anything runs).
 
     python benchmarks/compare_revisions.py --base 1044216 --contexts 8192 16384 32768 --rounds 3 \
         --out benchmarks/results/decode_regression_cpu.json
@@ -25,6 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("dynamic", "exact", "routed")
 
 
+def page_size_option(tree: Path, page_size: int) -> list[str]:
+    """``--page-size`` for the tree's ``bench_decode.py``: nothing where it has no such option (pages of 16: it failed
+    with "unrecognized arguments" even at that size), an error for another size."""
+    if "--page-size" in (tree / "benchmarks" / "bench_decode.py").read_text():
+        return ["--page-size", str(page_size)]
+    if page_size != 16:
+        raise SystemExit(f"compare_revisions.py: error: --page-size {page_size}: {tree.name} reads pages of 16 only")
+    return []
+
+
 def run_tree(tree: Path, args: argparse.Namespace, out: Path) -> dict:
     cmd = [
         sys.executable,
@@ -37,8 +48,7 @@ def run_tree(tree: Path, args: argparse.Namespace, out: Path) -> dict:
         str(args.repeats),
         "--threads",
         str(args.threads),
-        "--page-size",
-        str(args.page_size),
+        *page_size_option(tree, args.page_size),
         "--out",
         str(out),
     ]
@@ -66,6 +76,7 @@ def main() -> None:
         base_tree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(base_tree), base_rev], cwd=ROOT, check=True)
         try:
+            page_size_option(base_tree, args.page_size)  # a size the base cannot run: refused before any run
             for r in range(args.rounds):
                 for name, tree in (("base", base_tree), ("new", ROOT)):
                     runs[name].append(run_tree(tree, args, Path(tmp) / f"{name}{r}.json"))

@@ -56,7 +56,8 @@ SECTIONS = [
     Section("Prefill memory", (memory.PREFILL_MEMORY,), memory.prefill_memory),
     Section("Bytes held beyond K/V", (memory.HELD_BYTES,), memory.held_bytes),
     Section("Kernels", (decode.KERNELS_GLOB,), decode.kernels),
-    Section("Kernel resources at sm_90", (decode.KERNEL_RESOURCES, decode.KERNEL_RESOURCES_BEFORE),
+    Section("Kernel resources at sm_90",
+            (decode.KERNEL_RESOURCES, decode.KERNEL_RESOURCES_BEFORE, decode.KERNEL_RESOURCES_BYTES),
             decode.kernel_resources),
     Section("Distributed", (memory.DISTRIBUTED,), memory.distributed),
 ]

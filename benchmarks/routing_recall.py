@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cache import positive, run_metadata, write_result
+from bench_cache import non_negative, positive, run_metadata, write_result
 
 from pikv_hf import PiKVCache
 from pikv_hf.routing import SELECTORS
@@ -88,10 +88,10 @@ def measure(model, ids: torch.Tensor, length: int, placement: str, ks: list[int]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--length", type=int, default=2048, help="context tokens")
+    parser.add_argument("--length", type=positive, default=2048, help="context tokens")
     parser.add_argument("--steps", type=positive, default=32, help="decode steps measured per configuration")
-    parser.add_argument("--n-sink", type=int, default=4)
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--n-sink", type=non_negative, default=4)
+    parser.add_argument("--window", type=positive, default=64)
     parser.add_argument("--models", nargs="+", default=["smollm2", "smollm2-moe"])
     parser.add_argument("--shards", type=positive, default=8, help="shards per layer and KV head (E)")
     parser.add_argument("--page-size", type=positive, default=16, help="tokens per page of the cache")
@@ -102,7 +102,10 @@ def main() -> None:
         "--mass-target", type=float, default=None, help="routed: read the ranked shards until this estimated mass"
     )
     parser.add_argument(
-        "--dense-layers", type=int, default=0, help="leading layers that keep exact decode attention (read in full)"
+        "--dense-layers",
+        type=non_negative,
+        default=0,
+        help="leading layers that keep exact decode attention (read in full)",
     )
     parser.add_argument(
         "--placements",

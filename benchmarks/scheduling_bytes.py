@@ -45,6 +45,7 @@ def main() -> None:
     del dyn
     cache = PiKVCache(model, page_size=args.page_size, track_stats=True)
     recorded = PrefillRecord(model, ids, cache)
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # the calibration is saved beside the result
     heads = duo_heads(model, tok, args.out.parent)
     rows = []
     for name in PIKV_PRESSES:

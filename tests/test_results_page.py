@@ -207,3 +207,52 @@ def test_images_link_from_the_page_and_count_as_read(tmp_path):
     assert rec.files == {plot}
     with pytest.raises(FileNotFoundError):
         rec.image(f"{fw.BENCH}/missing.png", "missing")
+
+
+def test_a_goal_figure_never_reads_as_meeting_its_bound_beside_not_met(results):
+    """Quest 1/8 at 8192 tokens measured 0.754 against a bound of 0.75: the row showed "0.75" beside "not met" (two
+    decimals, the bound's). Every goal row of the page shows a figure on its verdict's side of the bound."""
+    import re
+
+    assert fw.against(0.754, 0.75) == "r3" and fw.against(0.70, 0.75) == "r2" and fw.against(0.7549, 0.75) == "r3"
+    rows = 0
+    for line in results.page.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")] if line.startswith("|") else []
+        bound = re.search(r"<=\s*([0-9.]+)x", cells[0]) if len(cells) >= 3 else None
+        shown = re.match(r"([0-9.]+)", cells[1]) if bound else None
+        if shown and cells[2] in ("met", "**not met**"):
+            rows += 1
+            assert (float(shown.group(1)) <= float(bound.group(1))) == (cells[2] == "met"), line
+    assert rows >= 10
+
+
+def test_kernel_targets_nothing_measured_are_not_measured(results, tmp_path):
+    """A target the run measured nothing for (no 4-bit case, no captured step) was recorded as met False and shown
+    as "not met"; check_targets records None and the page says "not measured" (older JSON: its empty measurement)."""
+    kernels = importlib.import_module("kernels")
+    case = dict(tokens=16384, batch=8, page_size=16, bits=16, selection_fraction=1, pct_peak=70.0, ms=0.16)
+    out = kernels.check_targets([case], None)
+    assert out["met"]["dense_pct_peak"] is False and out["met"]["quant4_speedup_vs_16bit_dense"] is None
+    assert out["met"]["graph_step_over_bound"] is None
+    assert "graph_step_over_bound not measured" in results.page and "graph_step_over_bound not met" not in results.page
+
+
+def test_the_page_builds_without_an_earlier_kernels_resource_file(tmp_path):
+    """The kernel-resources section read kernel_resources_sm90_bbdcaf6.json unchecked: without it the whole page
+    failed with FileNotFoundError; the section now leaves out that paragraph."""
+    for path in (decode.KERNEL_RESOURCES, decode.KERNEL_RESOURCES_BEFORE):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / path, tmp_path / path)
+    out = rp.build(tmp_path)
+    assert [s.title for s in out.sections] == ["Kernel resources at sm_90"]
+    assert "LDS.U8" not in out.page and "26a5023" in out.page
+    check_figures(tmp_path, out.figures, out.page)
+
+
+def test_timed_steps_are_counted_from_each_points_rows(results):
+    """A file's config is its last command's: the eager latest run said "24 timed steps" for its batch-4 point, which
+    timed 6 (--steps 8 --rounds 3); the page counts them from each point's rows."""
+    e2e = importlib.import_module("results_sections.e2e")
+    rec = fw.Recorder(ROOT)
+    assert e2e.timed_steps(rec, e2e.EAGER_LATEST) == "timed steps per way: 6 at 8192 x 4; 24 at 2048 x 1, 8192 x 1"
+    assert "timed steps per way: 6 at 8192 x 4; 24 at 2048 x 1, 8192 x 1" in results.page

@@ -288,7 +288,14 @@ def kernel_table(rec: Recorder, p: str) -> str:
         )
     targets = d["targets"]
     if isinstance(targets, dict):
-        met = ", ".join(f"{name} {'met' if ok else 'not met'}" for name, ok in targets["met"].items())
+        measured = targets.get("measured", {})
+
+        def state(name: str, ok: bool | None) -> str:  # nothing measured (older JSON: met False) is not "not met"
+            if ok is None or measured.get(name, True) in (None, []):
+                return "not measured"
+            return "met" if ok else "not met"
+
+        met = ", ".join(f"{name} {state(name, ok)}" for name, ok in targets["met"].items())
         text += f"\n\nTargets of issue 32 (from the eager `ms` column, host overhead included): {met}."
     else:
         text += f"\n\nTargets: {targets}."
@@ -368,34 +375,39 @@ def kernel_resources(rec: Recorder) -> Body:
         "instruction, so memory bounds them long before instruction issue does; the 4-bit kernels carry "
         f"{span('bytes_per_warp_instruction', 4)}, so an SM issuing every cycle would read 4-bit pages at "
         f"{span('issue_bound_pct_of_peak', 4, 'pct')}% of HBM peak at most: they are bound by instructions "
-        "(unpacking, per-tile reductions). Their codes become floats from bits (`decode._exact_float`, "
-        "`decode_quant._dot_codes`: the code as the mantissa of a float whose ulp is 1, less that float) instead of "
-        "one integer-to-float conversion each, which an SM runs at 16 a clock: in the kernels of 26a5023 "
-        f"(`{before.rsplit('/', 1)[-1]}`) the conversions bounded the 4-bit kernels before instruction issue did, "
-        f"{rec.fig('r2', agg('min', before, 'split_kernels', 'conversions_per_slot', bits=4))}-"
-        f"{rec.fig('r2', agg('max', before, 'split_kernels', 'conversions_per_slot', bits=4))} per slot. The best "
-        "configuration of each, bound at the lower of the two bounds: codes dotted "
-        f"{best(before, '4-bit, codes dotted')}% of peak then, {best(p, '4-bit, codes dotted')}% now; dequantised "
-        f"{best(before, '4-bit, dequantised')}% then, {best(p, '4-bit, dequantised')}% now. On the H100 and H200 "
-        "(before these changes) the 4-bit kernels read 4-bit pages no faster than the 16-bit kernel reads 16-bit "
-        "ones; the next GPU run measures them."
+        "(unpacking, per-tile reductions)."
     )
+    if rec.exists(before):  # the earlier kernels' files: each paragraph only with its file (one missing: no page)
+        text += (
+            " Their codes become floats from bits (`decode._exact_float`, `decode_quant._dot_codes`: the code as the "
+            "mantissa of a float whose ulp is 1, less that float) instead of one integer-to-float conversion each, "
+            "which an SM runs at 16 a clock: in the kernels of 26a5023 "
+            f"(`{before.rsplit('/', 1)[-1]}`) the conversions bounded the 4-bit kernels before instruction issue did, "
+            f"{rec.fig('r2', agg('min', before, 'split_kernels', 'conversions_per_slot', bits=4))}-"
+            f"{rec.fig('r2', agg('max', before, 'split_kernels', 'conversions_per_slot', bits=4))} per slot. The best "
+            "configuration of each, bound at the lower of the two bounds: codes dotted "
+            f"{best(before, '4-bit, codes dotted')}% of peak then, {best(p, '4-bit, codes dotted')}% now; dequantised "
+            f"{best(before, '4-bit, dequantised')}% then, {best(p, '4-bit, dequantised')}% now. On the H100 and H200 "
+            "(before these changes) the 4-bit kernels read 4-bit pages no faster than the 16-bit kernel reads 16-bit "
+            "ones; the next GPU run measures them."
+        )
     words = KERNEL_RESOURCES_BYTES
     q4 = "4-bit, codes dotted"
 
     def fewest(path: str) -> str:
         return rec.fig("r1", agg("min", path, "split_kernels", "warp_instructions_per_slot", kernel=q4))
 
-    text += (
-        " Then the 4-bit kernel read its key codes as bytes, whose dot operand the compiled code loaded from shared "
-        "memory a byte at a time (SASS `LDS.U8`), and took a pair of dots per value group over the whole head, "
-        "masking off the other groups' columns. It now reads key codes as 16-bit words (four code fields, channels "
-        "`4i + j`, against the same channels of the query) and the value groups as the batch of one pair of "
-        f"batched dots (`{words.rsplit('/', 1)[-1]}` holds the kernels before): best configuration "
-        f"{fewest(words)} -> {fewest(p)} warp instructions per slot, bound at {best(words, q4)}% -> "
-        f"{best(p, q4)}% of peak. Its dims must now be >= 64 (keys) with value groups of >= 32 channels; smaller "
-        "ones take the dequantising kernel."
-    )
+    if rec.exists(words):
+        text += (
+            " Then the 4-bit kernel read its key codes as bytes, whose dot operand the compiled code loaded from "
+            "shared memory a byte at a time (SASS `LDS.U8`), and took a pair of dots per value group over the whole "
+            "head, masking off the other groups' columns. It now reads key codes as 16-bit words (four code fields, "
+            "channels `4i + j`, against the same channels of the query) and the value groups as the batch of one "
+            f"pair of batched dots (`{words.rsplit('/', 1)[-1]}` holds the kernels before): best configuration "
+            f"{fewest(words)} -> {fewest(p)} warp instructions per slot, bound at {best(words, q4)}% -> "
+            f"{best(p, q4)}% of peak. Its dims must now be >= 64 (keys) with value groups of >= 32 channels; "
+            "smaller ones take the dequantising kernel."
+        )
     return Body(
         measured=(
             f"each decode kernel compiled for {d['target']} by triton {d['triton']} (pointers 16-byte aligned, as a "
@@ -408,7 +420,7 @@ def kernel_resources(rec: Recorder) -> Body:
             "F2I, each one warp instruction) at 16 values a clock per SM (CUDA C++ Programming Guide, arithmetic "
             "instruction throughput, compute capability 9.0) (static numbers, not timings)"
         ),
-        commands=[d["command"], rec.load(before)["command"], rec.load(words)["command"]],
+        commands=[d["command"], *(rec.load(f)["command"] for f in (before, words) if rec.exists(f))],
         machine=machine_text(rec, p),
         reads=NA_READS,
         budget="not applicable",

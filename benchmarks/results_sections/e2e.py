@@ -4,7 +4,7 @@ measurements behind the default ``sparse_from`` thresholds (with the README head
 
 from __future__ import annotations
 
-from .framework import BENCH, Body, Recorder, at, machine_text, table, verdict
+from .framework import BENCH, Body, Recorder, against, at, machine_text, table, verdict
 
 E2E = f"{BENCH}/e2e_cpu.json"
 E2E_COMPILED = f"{BENCH}/e2e_compiled_cpu.json"
@@ -91,6 +91,19 @@ def series_table(rec: Recorder, path: str, model: str, threads: int, batch: int)
     return f"{model}, {threads} thread(s), batch {batch} (git {commits}):\n\n{table(header, rows)}"
 
 
+def timed_steps(rec: Recorder, *paths: str) -> str:
+    """How many steps each way timed, counted from the points' rows (``ms_all``): a file's ``config`` is its last
+    command's, and points appended by earlier commands (other ``--steps`` / ``--rounds``) kept theirs."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        for pt in rec.load(path)["points"]:
+            counts = sorted({len(r["ms_all"]) for r in pt["results"].values() if "ms_all" in r})
+            groups.setdefault("/".join(map(str, counts)), []).append(f"{pt['context']} x {pt['batch']}")
+    if len(groups) == 1:
+        return f"{next(iter(groups))} timed steps per way"
+    return "timed steps per way: " + "; ".join(f"{n} at {', '.join(points)}" for n, points in groups.items())
+
+
 def goal_rows(rec: Recorder, path: str, compiled: bool = False) -> list[list[str]]:
     """The issue's goals with the measured ratio and a verdict (points not measured are listed as such);
     ``compiled``: judged on each way's compiled step (its ms/token over DynamicCache eager's), prefill apart."""
@@ -106,7 +119,7 @@ def goal_rows(rec: Recorder, path: str, compiled: bool = False) -> list[list[str
         if key not in rec.load(path)["points"][i]["results"]:  # a run of some ways only
             continue
         src = at(path, f"points.{i}.results.{key}.{field}")
-        rows.append([name, rec.fig("r2", src), verdict(rec.value(src) <= bound)])
+        rows.append([name, rec.fig(against(rec.value(src), bound), src), verdict(rec.value(src) <= bound)])
     i = point_index(rec, path, "smollm2", 1, 1, 8192)
     if i is not None and not compiled:
         modes = [m for m in rec.load(path)["points"][i]["results"] if m in MODE_TEXT]  # eager rows
@@ -116,7 +129,7 @@ def goal_rows(rec: Recorder, path: str, compiled: bool = False) -> list[list[str
             [
                 f"prefill of every way, 8192 tokens, batch 1: <= {PREFILL_BOUND:.2f}x Dynamic "
                 f"(worst: {MODE_TEXT[worst]})",
-                rec.fig("r2", src),
+                rec.fig(against(rec.value(src), PREFILL_BOUND), src),
                 verdict(rec.value(src) <= PREFILL_BOUND),
             ]
         )
@@ -224,7 +237,7 @@ def e2e(rec: Recorder) -> Body:
     return Body(
         measured=(
             "prefill of the context, then greedy decode one token per forward (the loop of `generate`), every way "
-            f"taking turns over {d['config']['rounds']} rounds of the {d['config']['steps']} timed steps (median "
+            f"taking turns in rounds, {timed_steps(rec, p)} (median "
             "ms/token); prefill seconds; KV bytes allocated at the end (offloaded bytes apart); fraction of the stored "
             "tokens a decode step attends to; a different essay passage per batch row; the commit of each table's "
             "points in its heading"
@@ -306,7 +319,7 @@ def e2e_compiled(rec: Recorder) -> Body:
             f"`torch.compile(backend={compile_cfg['backend']!r}, fullgraph=True, dynamic=False)` over "
             "`PiKVCache(model, max_cache_len=N)` (StaticCache for the compiled baseline); the first calls (warm-up, "
             f"{d['config']['warmup']} steps, the first compiles) are not timed; every way eager and compiled takes "
-            f"turns over {d['config']['rounds']} rounds of the {d['config']['steps']} timed steps (median ms/token)"
+            f"turns in rounds, {timed_steps(rec, p)} (median ms/token)"
         ),
         commands=d["commands"],
         machine=machine_text(rec, p),
@@ -363,7 +376,7 @@ def _eager_and_compiled(rec: Recorder, runs: tuple[str, ...], batch4: str | None
             "as 'End-to-end decode on the real model' (eager) and 'compiled step' (the one-token forward under "
             f"`torch.compile(backend={compile_cfg['backend']!r}, fullgraph=True, dynamic=False)` over "
             "`PiKVCache(model, max_cache_len=N)`, StaticCache compiled as the compiled baseline), every way eager and "
-            f"compiled taking turns over {d['config']['rounds']} rounds of {d['config']['steps']} timed steps "
+            f"compiled taking turns in rounds, {timed_steps(rec, *present)} "
             "(median ms/token), nothing else running on the machine"
         ),
         commands=commands,
@@ -386,7 +399,7 @@ def e2e_eager_latest(rec: Recorder) -> Body:
     return Body(
         measured=(
             "as 'End-to-end decode on the real model': prefill, then greedy decode one token per forward, every way "
-            f"taking turns over {d['config']['rounds']} rounds of the {d['config']['steps']} timed steps (median "
+            f"taking turns in rounds, {timed_steps(rec, p)} (median "
             "ms/token), eager steps only, nothing else running on the machine"
         ),
         commands=d["commands"],

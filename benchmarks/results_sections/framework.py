@@ -219,6 +219,12 @@ def table(header: list[str], rows: Iterable[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def against(value: float, bound: float) -> str:
+    """The format of a ratio shown beside its upper ``bound``: two decimals, three where two would hide which side of
+    the bound it lies on (0.754 read "0.75" beside "not met" for a bound of 0.75)."""
+    return "r2" if (round(value, 2) <= bound) == (value <= bound) else "r3"
+
+
 def verdict(ok: bool) -> str:
     """``met`` or a bold ``not met``."""
     return "met" if ok else "**not met**"
