@@ -276,3 +276,68 @@ def test_a_forward_that_fails_before_storing_leaves_the_padding_check_on():
             real = mask[:, -1].bool()
             worst = max(worst, (a[real] - b[real]).abs().max().item())
     assert worst < 1e-5
+
+
+def test_crop_after_a_press_lets_a_reserved_cache_take_max_cache_len_again():
+    """A press that re-packs a reserved layer leaves room for its tokens plus the positions still to come; crop frees
+    positions, which come again. The reservation stayed shrunk: a 40-token prefill into max_cache_len=40 after
+    H2O and crop(0) overflowed the runs (an IndexError that left the cache unusable; left-padded, wrong logits)."""
+    from pikv_hf.presses import H2OPress
+
+    model, ref = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    cache = PiKVCache(model, page_size=4, num_shards=2, max_cache_len=40)
+    with torch.no_grad():
+        with H2OPress(0.5)(model):
+            model(prompt(30), past_key_values=cache)
+        cache.crop(0)
+        ids = prompt(40, seed=2)
+        got = model(ids, past_key_values=cache).logits
+        want = ref(ids, past_key_values=DynamicCache()).logits
+        assert (got - want).abs().max() < 1e-4
+        assert cache.get_max_cache_shape() == 40  # as StaticCache reports it (it said -1, "no maximum")
+
+
+@pytest.mark.parametrize("arch, reserved", [("gpt_oss", False), ("gpt_oss", True), ("llama", True)])
+def test_attention_weights_cover_every_position_after_a_press(arch, reserved):
+    """Attention weights are laid out one column per position: after an eviction (growing) or a press that moved
+    tokens to a tier (reserved: a narrower frame) they were scattered into kv_length() columns, fewer than the
+    positions seen: every forward computing them failed (each GPT-OSS prefill chunk, eager attention; any forward
+    with output_attentions). Each query's weights sum to 1 over the positions its layer holds (GPT-OSS: less, its
+    sinks take the rest)."""
+    from pikv_hf.presses import QuantPress, StreamingLLMPress
+
+    model = tiny_model(arch, seed=0)
+    options = dict(max_cache_len=48) if reserved else {}
+    cache = PiKVCache(model, page_size=4, num_shards=2, **options)
+    press = QuantPress(bits=4, group_size=8, window=4) if reserved else StreamingLLMPress(0.5, n_sink=2)
+    with torch.no_grad():
+        with press(model):
+            model(prompt(30), past_key_values=cache)
+        out = model(prompt(8, seed=3), past_key_values=cache, output_attentions=True)
+    weights = out.attentions[0]
+    assert weights.shape[-1] >= 38
+    total = weights.float().sum(-1)
+    if arch == "gpt_oss":
+        assert bool(((total > 0) & (total <= 1 + 1e-3)).all())
+    else:
+        torch.testing.assert_close(total, torch.ones(weights.shape[:-1]), atol=1e-3, rtol=0)
+    if not reserved:  # evicted positions get no weight
+        held = cache.layers[0].held_positions(38)[0]
+        assert float(weights[0, :, :, :38][..., ~held].abs().max()) == 0.0
+
+
+def test_chunked_generate_under_a_press_on_a_reserved_cache_equals_a_growing_one():
+    """generate(prefill_chunk_size=3) with QuantPress: after a chunk's press the reserved frame was narrower than the
+    next chunk's positions, and generate's 4-D mask (as wide as get_mask_sizes said) was indexed past its end."""
+    from pikv_hf.presses import QuantPress
+
+    model = tiny_model("llama", seed=0)
+    ids = prompt(24)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=7, min_new_tokens=7, do_sample=False,
+              pad_token_id=0, prefill_chunk_size=3, disable_compile=True)  # fmt: skip
+    out = []
+    for options in ({}, {"max_cache_len": 36}):
+        cache = PiKVCache(model, page_size=1, num_shards=4, **options)
+        with torch.no_grad(), QuantPress(bits=4, group_size=8, window=4)(model):
+            out.append(model.generate(ids, past_key_values=cache, **kw))
+    assert torch.equal(*out)

@@ -62,7 +62,9 @@ class LayerEdits:
         lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # a query that sees nothing (left padding): zeros, not NaN
         if q == 1 and self.read.sparse:
             self.read_stats.add(self.store.device, dense_passes=1)
-        return positional_weights(torch.exp(logits - lse), v, self.kv_length()).to(query.dtype)
+        # every position seen has a column (after an eviction kv_length() is fewer: the scatter went out of bounds)
+        width = max(self.kv_length(), self.seen)
+        return positional_weights(torch.exp(logits - lse), v, width).to(query.dtype)
 
     def end_forward(self) -> None:
         """The model forward ended (also by an exception): drop what only it needed, so that the layer references

@@ -53,8 +53,11 @@ class StaticPiKVLayer(PiKVLayer):
         runs keep room for the tokens they hold plus every position still to come (``max_cache_len - seen``), not
         for ``max_cache_len`` tokens: a compiled 4-bit or offloading cache does not hold a full-precision
         reservation of the whole length beside its tier."""
-        if self.store.repacks == self._repacks:
-            return
+        if self.store.repacks != self._repacks:
+            self._reserve_rest()
+
+    def _reserve_rest(self) -> None:
+        """Runs with room for the tokens they hold plus every position still to come."""
         self._repacks = self.store.repacks
         held = int(self.store.stats.count.sum(-1).max()) if self.store.stats.count.numel() else 0
         self.store.reserve(self._pages_for(held + self.max_cache_len - self.seen), shrink=True)
@@ -134,10 +137,19 @@ class StaticPiKVLayer(PiKVLayer):
                 "overwrote their own pages; crop cannot restore them: reset() the PiKVCache"
             )
         super().crop(max_length)
+        if self.store is not None:  # the positions freed are to come again: a reservation a press shrank grows back
+            self._reserve_rest()  # (it overflowed: wrong logits, or an IndexError that broke the cache)
 
     def kv_length(self) -> int:
-        """The reserved frame (as ``StaticCache`` reports its maximum length)."""
-        return super().kv_length() if self.store is None else self.store.table.width() * self.page_size
+        """The reserved frame, at least ``max_cache_len`` (as ``StaticCache`` reports its maximum length): a press
+        that moved tokens out leaves a narrower frame, but positions up to ``max_cache_len`` still come (masks and
+        attention weights as wide as the frame were narrower than the positions seen)."""
+        if self.store is None:
+            return super().kv_length()
+        return max(self.store.table.width() * self.page_size, self.max_cache_len)
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return super().get_mask_sizes(cache_position) if self.store is None else (self.kv_length(), 0)
