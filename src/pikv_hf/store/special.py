@@ -78,7 +78,7 @@ class SpecialSlots:
             self.slots.scatter_(2, at, torch.where(present, slot, self.slots.gather(2, at)))
             self.pos.scatter_(2, at, torch.where(present, pos, self.pos.gather(2, at)))
         if self.n_sink:
-            write_sinks(self.slots, self.pos, slot.masked_fill(~present, -1), pos, row_start, self.n_sink)
+            write_sinks(self.slots, self.pos, slot, pos, row_start, self.n_sink)
 
     def unread(self, qpos: torch.Tensor) -> torch.Tensor:
         """``[B, H, n_sink + window]`` bool: entries a query at ``qpos`` (one element) does not read (no slot; a recent
