@@ -128,7 +128,8 @@ def _cache_with_tokens():
         (torch.randn(2, 2, 1, 16), torch.randn(2, 2, 2, 16), "must agree on \\[B, H_kv, q\\]"),
         (torch.randn(2, 2, 16), torch.randn(2, 2, 16), "must be \\[B, H_kv, q, D\\]"),
         (torch.randn(2, 2, 0, 16), torch.randn(2, 2, 0, 16), "at least one new token"),
-        (torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16).half(), "key_states dtype torch.float32 != value_states"),
+        # keys and values of two dtypes are stored in the wider (autocast leaves keys float32 beside bfloat16 values)
+        (torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16).double(), "dtype changed .*got torch.float64, cache holds"),
         (torch.ones(2, 2, 1, 16, dtype=torch.int64),) * 2 + ("must be floating point, got torch.int64",),
     ],
 )
@@ -230,3 +231,21 @@ def test_a_reserved_cache_whose_pages_cannot_be_reserved_is_left_as_before(monke
         got = model(ids, past_key_values=cache).logits
         want = ref(ids, past_key_values=DynamicCache()).logits
     assert (got - want).abs().max() < TOL
+
+
+def test_autocast_keys_and_values_of_two_dtypes_are_stored_as_dynamic_cache_holds_them():
+    """Under torch.autocast(bfloat16) on a float32 model RoPE leaves the keys float32 beside bfloat16 values:
+    DynamicCache takes them, every PiKVCache raised "key_states dtype torch.float32 != value_states dtype"."""
+    from pikv_hf.tiny import tiny_model
+
+    ref, model = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for m, cache in ((ref, DynamicCache()), (model, PiKVCache(model)), (model, PiKVCache(model, max_cache_len=24))):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            m(ids, past_key_values=cache)
+            logits.append(m(ids[:, :1], past_key_values=cache).logits.float())
+        if isinstance(cache, PiKVCache):
+            assert cache.layers[0].store.dtype == torch.float32
+    # bfloat16 rounding apart (the o_proj input is bfloat16 on both): within two bfloat16 ulps of logits of ~0.3
+    assert (logits[1] - logits[0]).abs().max() < 4e-3 and (logits[2] - logits[0]).abs().max() < 4e-3

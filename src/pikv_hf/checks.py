@@ -7,6 +7,8 @@ import inspect
 import sys
 from pathlib import Path
 
+import torch
+
 
 def check_int_at_least(name: str, value: object, low: int, high: int | None = None) -> None:
     """Raise ``ValueError("<name> must be an integer >= <low>, got <value>")`` unless ``value`` is such an int (with
@@ -140,7 +142,7 @@ def check_field_types(obj: object) -> None:
 
 
 def check_kv_update(layer_idx: int, key_states: object, value_states: object, present, store) -> None:
-    """Check what ``PiKVLayer.update`` receives (``[B, H_kv, q, D]`` tensors of one dtype; the forward's padding
+    """Check what ``PiKVLayer.update`` receives (``[B, H_kv, q, D]`` floating-point tensors; the forward's padding
     mask ``present`` ``[B, q]``; the batch, heads, dims, dtype and device of the layer's ``store`` once there is one),
     raising ``TypeError`` / ``ValueError`` naming the argument before the layer changes."""
     for name, states in (("key_states", key_states), ("value_states", value_states)):
@@ -159,10 +161,10 @@ def check_kv_update(layer_idx: int, key_states: object, value_states: object, pr
             f"key_states / value_states must have B, H_kv and D >= 1, got {tuple(key_states.shape)} and "
             f"{tuple(value_states.shape)}"
         )
-    if key_states.dtype != value_states.dtype:
-        raise ValueError(f"key_states dtype {key_states.dtype} != value_states dtype {value_states.dtype}")
-    if not key_states.is_floating_point():
-        raise ValueError(f"key_states / value_states must be floating point, got {key_states.dtype}")
+    if not (key_states.is_floating_point() and value_states.is_floating_point()):
+        raise ValueError(
+            f"key_states / value_states must be floating point, got {key_states.dtype} and {value_states.dtype}"
+        )
     if key_states.device.type == "meta" or value_states.device != key_states.device:
         raise ValueError(
             f"key_states / value_states must lie on one real device, got {key_states.device} and "
@@ -184,10 +186,10 @@ def check_kv_update(layer_idx: int, key_states: object, value_states: object, pr
     for what, (got, want) in expected.items():
         if got != want:
             raise ValueError(f"layer {layer_idx}: {what} of key/value_states is {got}, cache holds {want}")
-    if key_states.dtype != store.dtype:
+    dtype = torch.promote_types(key_states.dtype, value_states.dtype)  # what the layer stores them as
+    if dtype != store.dtype:
         raise ValueError(
-            f"layer {layer_idx}: key/value_states dtype changed mid-sequence: got {key_states.dtype}, "
-            f"cache holds {store.dtype}"
+            f"layer {layer_idx}: key/value_states dtype changed mid-sequence: got {dtype}, cache holds {store.dtype}"
         )
     if key_states.device != store.device:
         raise ValueError(f"layer {layer_idx}: key/value_states on {key_states.device}, cache on {store.device}")
