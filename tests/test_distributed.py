@@ -211,6 +211,11 @@ def test_store_append_with_present_stores_only_those_tokens():
         (lambda: ShardPlan.for_ranks(4, 2, 0, timeout=True), ValueError, "timeout must be .* got True"),
         # a string was iterated by character ("names device 'c'")
         (lambda: ShardPlan.for_devices(4, "cpu"), TypeError, "devices must be a list of devices .* got 'cpu'"),
+        # the same by hand: a bool rank became rank 1, a device string was iterated by character, a zero size was
+        # blamed on split_shards' weights
+        (lambda: ShardPlan.for_ranks(4, world_size=2, rank=True), ValueError, "rank must be an integer .* got True"),
+        (lambda: ShardPlan((0, 1, 0, 1), "cpu"), ValueError, "devices must be a sequence of devices, .* got 'cpu'"),
+        (lambda: ShardPlan.from_accelerate(4, {"cpu": 0}), ValueError, "max_memory must give some device a positive"),
         (lambda: split_shards(4, {"cpu": float("nan")}), ValueError, "weights must hold finite numbers"),
         (lambda: split_shards(4, {"a": float("inf"), "b": 1}), ValueError, "weights must hold finite numbers"),
         # built by hand: checked as the classmethods' plans (they failed inside a forward with torch's errors)
@@ -350,3 +355,35 @@ def test_plan_must_fit_the_process_group(world_of_one):
     assert torch.equal(o, o2) and torch.equal(lse, lse2) and comm.sent_bytes == 0
     assert comm.payload_bytes == o.numel() * 4 + lse.numel() * 4
     comm.check_same({"num_shards": 4, "long": "x" * 500})
+
+
+def test_a_partitioned_cache_refuses_a_mask_hiding_what_it_holds():
+    """A second turn whose 2-D mask hides first-turn tokens of a row: refused as by an unpartitioned cache (the check
+    looked at layers with a dense view only, so a partitioned cache attended to them: 0.13 logits off)."""
+    _, model = model_pair("llama")
+    ids = prompt(8, batch=2)
+    cache = PiKVCache(model, num_shards=4, page_size=4, partition=ShardPlan.for_devices(4, ["cpu", "cpu"]))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        mask = torch.ones(2, 10, dtype=torch.long)
+        mask[1, 5:8] = 0
+        with pytest.raises(ValueError, match="attention_mask is 0 at position 5 of row 1"):
+            model(prompt(2, batch=2, seed=1), attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 8 and cache.out_of_step is None
+
+
+def test_a_kvpress_press_is_refused_by_a_partitioned_cache_before_it_stores():
+    """kvpress's own presses read a layer's dense keys: DecodingPress was refused from its hook after layer 0 had
+    stored the step's token, the undo (a crop) was refused in turn, and the cache stayed out of step."""
+    import kvpress
+
+    _, model = model_pair("llama")
+    cache = PiKVCache(model, num_shards=4, page_size=4, partition=ShardPlan.for_devices(4, ["cpu", "cpu"]))
+    press = kvpress.DecodingPress(base_press=kvpress.KnormPress(), compression_interval=2, target_size=8)
+    with torch.no_grad(), press(model):
+        with pytest.raises(RuntimeError, match="DecodingPress .* is not supported on a partitioned cache"):
+            model(prompt(12), past_key_values=cache)
+    assert cache.get_seq_length() == 0 and cache.out_of_step is None
+    with torch.no_grad():
+        model(prompt(12), past_key_values=cache)  # usable without the press
+    assert cache.get_seq_length() == 12

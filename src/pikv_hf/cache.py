@@ -269,7 +269,7 @@ class PiKVCache(ForwardAwareCache):
         seen and new hides a position this cache already holds a token of: the cache reads padding from the new
         columns only, and would attend to that token where a DynamicCache masks it (e.g. a second turn of a batch
         whose mask zeroes the first turn's tokens after a row's end of sequence)."""
-        layer = next((la for la in self.layers if la.store is not None and la.has_view), None)
+        layer = next((la for la in self.layers if la.store is not None), None)
         if layer is None or not layer.seen or attention_mask.shape[1] != layer.seen + new_tokens:
             return
         old = attention_mask[:, : layer.seen].to(device=layer.store.device, dtype=torch.bool)

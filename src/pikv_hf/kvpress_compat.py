@@ -132,15 +132,33 @@ def _inner_presses(press: BasePress, acts: bool = True) -> Iterator[tuple[BasePr
 
 @contextmanager
 def _call(self, model):
-    """``BasePress.__call__`` entering the pikv_hf presses inside the press first (``PiKVPress.entered``)."""
+    """``BasePress.__call__`` entering the pikv_hf presses inside the press first (``PiKVPress.entered``); a kvpress
+    press of its own refuses a partitioned PiKVCache before a layer's attention stores anything (its hook reads the
+    layer's dense keys: refused after layer 0 had stored, the undo failed and the cache was out of step)."""
     from pikv_hf.presses.base import PiKVPress
+    from pikv_hf.routing.expert import decoder_layers
 
     with ExitStack() as stack:
         for inner, acts in _inner_presses(self):
             if isinstance(inner, PiKVPress):
                 stack.enter_context(inner.entered(model, checks=acts))
+        if not isinstance(self, PiKVPress):
+            hook = _refuse_partitioned(type(self).__name__)
+            for layer in decoder_layers(model):
+                stack.callback(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True).remove)
         stack.enter_context(_original_call(self, model))
         yield
+
+
+def _refuse_partitioned(name: str):
+    def before_attention(module, args, kwargs) -> None:
+        from pikv_hf.cache import PiKVCache
+
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, PiKVCache) and not cache.layers[module.layer_idx].has_view:
+            raise cache.layers[module.layer_idx].refusal(f"{name} (a kvpress press reads the layer's dense keys)")
+
+    return before_attention
 
 
 def install() -> None:

@@ -73,6 +73,14 @@ class PartitionedLayer(PiKVLayer):
         if self.store is not None and (max_length if max_length >= 0 else self.seen + max_length) < self.seen:
             raise self.refusal("crop()")
 
+    def held_positions(self, length: int) -> torch.Tensor:
+        """``[B, length]`` bool: every position from each row's first real token on (of the ``seen`` ones). A
+        partitioned layer evicts and crops nothing, and its other partitions may live on other ranks, which this
+        one does not read: what it holds follows from the row's start alone."""
+        pos = torch.arange(length, device=self.row_start.device)
+        started = (pos >= self.row_start.unsqueeze(-1)) & ~self._row_open.unsqueeze(-1)
+        return started & (pos < self.seen)
+
     def tokens_per_shard(self) -> torch.Tensor:
         if self.store is None:
             return torch.zeros(0, 0, self.num_shards, dtype=torch.int64)

@@ -103,6 +103,8 @@ class ShardPlan:
     group: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.devices, (str, torch.device)) or not isinstance(self.devices, (tuple, list)):
+            raise ValueError(f"devices must be a sequence of devices, one per partition, got {self.devices!r}")
         n = len(self.devices)
         ints = all(isinstance(p, int) and not isinstance(p, bool) for p in self.owner)
         if not self.owner or not ints or any(not 0 <= p < n for p in self.owner):
@@ -117,7 +119,7 @@ class ShardPlan:
             raise ValueError(
                 f"a plan over ranks needs one partition per rank: {n} partitions, world_size {self.world_size}"
             )
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={self.world_size}), got {self.rank!r}")
         t = self.timeout
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t <= MAX_TIMEOUT_S:
@@ -222,6 +224,8 @@ class ShardPlan:
             for d, v in memory.items()
             if d != "disk"
         }
+        if any(size < 0 for size in sizes.values()) or not any(size > 0 for size in sizes.values()):
+            raise ValueError(f"max_memory must give some device a positive size and none a negative one, got {memory}")
         if any(d != "cpu" for d in sizes):
             sizes.pop("cpu", None)
         if not sizes:
