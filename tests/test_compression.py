@@ -539,3 +539,28 @@ def test_multi_head_latent_attention_checks_the_dims_it_stores():
         with pytest.raises(ValueError, match=message):
             _prefill(model, cache, ids, press)
         assert cache.get_seq_length() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quest_bounds_of_a_4bit_tier_bound_its_decoded_keys(dtype):
+    """Quest's page bounds over a quantised tier are those of the keys a read decodes: tokens the decode steps moved
+    into the tier were folded in as the model produced them, while the page was re-encoded with new scales (a
+    stored key_max 0.298234 below a decoded key 0.298462: a bound below the page's real q.k)."""
+    model = tiny_model("llama", seed=0).to(dtype)
+    cache = PiKVCache(model, page_size=4, num_shards=1, attention="quest", read_fraction=0.25, sparse_from=0)
+    with torch.no_grad(), QuantPress(bits=4, group_size=8, window=8)(model):
+        model(_ids(50), past_key_values=cache)
+        for i in range(9):  # decode tokens leave the window for the 4-bit tier
+            model(torch.full((1, 1), 5 + i), past_key_values=cache)
+    checked = 0
+    for layer in cache.layers:
+        tier = layer.tiers["compressed"]
+        kmin, kmax, _ = tier.page_bounds()
+        b, h, w, _ = kmin.shape
+        keys = tier.codec.decode({n: tier.frame(n) for n in tier.kv_fields})[0].float()
+        keys = keys.view(b, h, w, tier.page_size, -1)
+        valid = tier.frame("valid").view(b, h, w, tier.page_size, 1)
+        assert bool((keys.masked_fill(~valid, float("inf")).amin(3) >= kmin.float()).all())
+        assert bool((keys.masked_fill(~valid, float("-inf")).amax(3) <= kmax.float()).all())
+        checked += int(valid.sum())
+    assert checked > 0

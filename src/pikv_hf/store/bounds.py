@@ -22,12 +22,19 @@ def add_page_bounds(pool: PagePool, keys: torch.Tensor, dtype: torch.dtype) -> N
     rebuild_page_bounds(pool, keys)
 
 
-def rebuild_page_bounds(pool: PagePool, keys: torch.Tensor) -> None:
-    """Recompute every page's bounds from the decoded ``keys`` (``[N, P, Dk]``) of its valid slots."""
-    assert keys.dim() == 3 and keys.shape[0] == pool["valid"].shape[0], "keys must be [N, P, Dk] over the pool"
-    k, empty = keys.float(), ~pool["valid"].unsqueeze(-1)
-    pool["key_min"].copy_(k.masked_fill(empty, BOUND_FIELDS["key_min"]).amin(1))
-    pool["key_max"].copy_(k.masked_fill(empty, BOUND_FIELDS["key_max"]).amax(1))
+def rebuild_page_bounds(pool: PagePool, keys: torch.Tensor, pages: torch.Tensor | None = None) -> None:
+    """Recompute the bounds of every page (or of the distinct ``pages``, ``[M]``) from the decoded ``keys``
+    (``[N, P, Dk]``, or ``[M, P, Dk]`` of those pages) of its valid slots."""
+    valid = pool["valid"] if pages is None else pool["valid"].index_select(0, pages)
+    assert keys.dim() == 3 and keys.shape[0] == valid.shape[0], "keys must be [N, P, Dk] over the pages"
+    k, empty = keys.float(), ~valid.unsqueeze(-1)
+    for name, fill in BOUND_FIELDS.items():
+        bound = k.masked_fill(empty, fill)
+        bound = bound.amin(1) if name == "key_min" else bound.amax(1)
+        if pages is None:
+            pool[name].copy_(bound)
+        else:
+            pool[name].index_copy_(0, pages, bound.to(pool[name].dtype))
 
 
 def fold_page_bounds(pool: PagePool, page: torch.Tensor, keys: torch.Tensor) -> None:
