@@ -186,7 +186,9 @@ def check_kv_update(layer_idx: int, key_states: object, value_states: object, pr
     for what, (got, want) in expected.items():
         if got != want:
             raise ValueError(f"layer {layer_idx}: {what} of key/value_states is {got}, cache holds {want}")
-    dtype = torch.promote_types(key_states.dtype, value_states.dtype)  # what the layer stores them as
+    dtype = key_states.dtype  # what the layer stores them as (promote_types only where they differ: an operator)
+    if value_states.dtype != dtype:
+        dtype = torch.promote_types(dtype, value_states.dtype)
     if dtype != store.dtype:
         raise ValueError(
             f"layer {layer_idx}: key/value_states dtype changed mid-sequence: got {dtype}, cache holds {store.dtype}"

@@ -365,13 +365,12 @@ class PagedStore:
             self.pool.write(name, slots, fresh)
         if not self.page_bounds_kept:
             return
-        pages = slots.div(self.page_size, rounding_mode="floor")
         if not self.codec.lossless:  # bounds of what a read decodes: a page-level codec re-encodes its older keys too
-            pages = pages.unique()
+            pages = slots.div(self.page_size, rounding_mode="floor").unique()
             decoded = self.codec.decode({n: self.pool.gather(n, pages) for n in self.kv_fields})[0]
             rebuild_page_bounds(self.pool, decoded, pages)
         elif not bounds_written:
-            fold_page_bounds(self.pool, pages, k)
+            fold_page_bounds(self.pool, slots.div(self.page_size, rounding_mode="floor"), k)
 
     def special_slots(self, n_sink: int, window: int, row_start: torch.Tensor) -> SpecialSlots:
         """The flat slots (``[B, H, n_sink + window]``, ``-1``: none) and positions of each (row, head)'s first
