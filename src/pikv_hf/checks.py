@@ -141,10 +141,11 @@ def check_field_types(obj: object) -> None:
             raise TypeError(f"{type(obj).__name__}.{f.name} must be {expected}, got {type(value).__name__} {value!r}")
 
 
-def check_kv_update(layer_idx: int, key_states: object, value_states: object, present, store) -> None:
+def check_kv_update(layer_idx: int, key_states: object, value_states: object, present, store) -> torch.dtype:
     """Check what ``PiKVLayer.update`` receives (``[B, H_kv, q, D]`` floating-point tensors; the forward's padding
     mask ``present`` ``[B, q]``; the batch, heads, dims, dtype and device of the layer's ``store`` once there is one),
-    raising ``TypeError`` / ``ValueError`` naming the argument before the layer changes."""
+    raising ``TypeError`` / ``ValueError`` naming the argument before the layer changes. Returns the dtype the layer
+    stores both in: the wider of the two (autocast leaves keys float32 beside bfloat16 values)."""
     for name, states in (("key_states", key_states), ("value_states", value_states)):
         check_tensor(name, states)
         if states.dim() != 4:
@@ -170,13 +171,16 @@ def check_kv_update(layer_idx: int, key_states: object, value_states: object, pr
             f"key_states / value_states must lie on one real device, got {key_states.device} and "
             f"{value_states.device}"
         )
+    dtype = key_states.dtype  # promote_types only where they differ: it is an operator, on every decode step
+    if value_states.dtype != dtype:
+        dtype = torch.promote_types(dtype, value_states.dtype)
     if present is not None and tuple(present.shape) != (key_states.shape[0], key_states.shape[2]):
         raise ValueError(
             f"layer {layer_idx}: the forward's padding mask covers {tuple(present.shape)} new tokens, "
             f"key_states hold [B, q] = {(key_states.shape[0], key_states.shape[2])}"
         )
     if store is None:
-        return
+        return dtype
     expected = {
         "batch size": (key_states.shape[0], store.batch),
         "number of KV heads": (key_states.shape[1], store.heads),
@@ -186,12 +190,10 @@ def check_kv_update(layer_idx: int, key_states: object, value_states: object, pr
     for what, (got, want) in expected.items():
         if got != want:
             raise ValueError(f"layer {layer_idx}: {what} of key/value_states is {got}, cache holds {want}")
-    dtype = key_states.dtype  # what the layer stores them as (promote_types only where they differ: an operator)
-    if value_states.dtype != dtype:
-        dtype = torch.promote_types(dtype, value_states.dtype)
     if dtype != store.dtype:
         raise ValueError(
             f"layer {layer_idx}: key/value_states dtype changed mid-sequence: got {dtype}, cache holds {store.dtype}"
         )
     if key_states.device != store.device:
         raise ValueError(f"layer {layer_idx}: key/value_states on {key_states.device}, cache on {store.device}")
+    return dtype

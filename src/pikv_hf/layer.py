@@ -190,10 +190,9 @@ class PiKVLayer(LayerEdits, CacheLayerMixin):
     ) -> tuple[PagedKV, PagedKV] | tuple[torch.Tensor, torch.Tensor]:
         """Store ``[B, H_kv, q, D]`` post-RoPE keys/values. Inside a forward that runs the ``"pikv"`` attention it
         returns this layer's ``PagedKV`` handle twice; otherwise the dense keys and values, as ``DynamicCache``."""
-        check_kv_update(self.layer_idx, key_states, value_states, self.forward.present, self.store)
-        if key_states.dtype != value_states.dtype:  # autocast: RoPE leaves keys in float32 beside bfloat16 values
-            common = torch.promote_types(key_states.dtype, value_states.dtype)  # one pool dtype: the wider
-            key_states, value_states = key_states.to(common), value_states.to(common)
+        dtype = check_kv_update(self.layer_idx, key_states, value_states, self.forward.present, self.store)
+        if key_states.dtype != value_states.dtype:  # autocast: one pool dtype, the wider
+            key_states, value_states = key_states.to(dtype), value_states.to(dtype)
         pikv = self._read_by_pikv()
         if self.forward.active and not pikv:
             self._check_dense_readable()  # before anything is stored
